@@ -1,0 +1,86 @@
+"""Frozen, validated settings objects shared by the API, CLI, engine and server.
+
+Validation lives in ``__post_init__`` so a bad value fails where it is created, with a message
+that names the field, instead of deep inside the decode loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
+
+METHODS = ("none", "ngram", "draft_model")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy (argmax)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # a single stop string is a common call shape
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidSamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidSamplingParamsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidSamplingParamsError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise InvalidSamplingParamsError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Which drafter to use and how many tokens it proposes per step."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 5
+    ngram_min: int = 1  # shortest suffix the n-gram drafter tries to match
+    ngram_max: int = 4  # longest suffix it tries first
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidConfigError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise InvalidConfigError(
+                f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidConfigError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model to load: a catalog name, a local folder or GGUF file, or a hub id."""
+
+    name: str
+    dtype: str = "float32"
+    max_seq_len: int | None = None  # None: the model's own context length, capped by the engine
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise InvalidConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")

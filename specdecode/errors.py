@@ -1,0 +1,44 @@
+"""Named exceptions for user errors.
+
+Every error a user can cause (bad model name, bad sampling values, a prompt that does not fit)
+raises a subclass of :class:`SpecDecodeError` whose message says what to do. The CLI prints the
+message on one line and exits with code 2; the server maps them to HTTP 4xx.
+"""
+
+from __future__ import annotations
+
+
+class SpecDecodeError(Exception):
+    """Base class of every error caused by user input or the local environment."""
+
+
+class ModelNotFoundError(SpecDecodeError):
+    """The name is neither a catalog entry, a local path, nor a reachable hub id."""
+
+
+class WeightsMissingError(SpecDecodeError):
+    """A known model whose weight files are not installed (e.g. the `models` extra is missing)."""
+
+
+class HubUnavailableError(SpecDecodeError):
+    """A hub id was given but the hub cannot be reached from this machine."""
+
+
+class UnsupportedModelError(SpecDecodeError):
+    """The weights exist but their architecture or quantization is not supported."""
+
+
+class VocabularyMismatchError(SpecDecodeError):
+    """Draft and target do not share a vocabulary, so draft tokens cannot be verified."""
+
+
+class PromptTooLongError(SpecDecodeError):
+    """The prompt (plus at least one new token) does not fit in the model's context."""
+
+
+class InvalidSamplingParamsError(SpecDecodeError, ValueError):
+    """A sampling value outside its valid range (negative temperature, top_p outside (0, 1], ...)."""
+
+
+class InvalidConfigError(SpecDecodeError, ValueError):
+    """An engine or speculative-decoding setting outside its valid range."""

@@ -1,0 +1,78 @@
+"""The decoder's architecture parameters, read from a Hugging Face ``config.json``.
+
+One dataclass covers the Llama family (llama, qwen2, mistral): they differ only in whether the
+q/k/v projections carry a bias, the RoPE base, and whether the LM head is tied to the embedding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdecode.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Translate HF config keys; refuse features this decoder does not implement."""
+        arch = cfg.get("model_type", "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise UnsupportedModelError(f"rope scaling {rope_type!r} is not supported yet")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "mistral"):
+            # Exactness within the window is unaffected, but we would attend beyond it.
+            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+                raise UnsupportedModelError("sliding-window attention is not supported yet")
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "ModelConfig":
+        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))

@@ -1,0 +1,154 @@
+"""A compact decoder for the Llama family (llama, qwen2, mistral) with a preallocated KV cache.
+
+One class, no per-architecture forks: the family differs only in q/k/v bias, RoPE base and tied
+embeddings, all read from :class:`ModelConfig`. Weights are stored transposed (``[in, out]``) and
+fused (q|k|v, gate|up) so that each layer runs four matmuls whose cost is nearly flat in the row
+count on this CPU; see ``kernels.py`` for why the layout also makes rows batch-invariant.
+
+The model knows nothing about drafting or sampling: ``forward`` maps tokens at cache slots to
+logits, advancing the cache; callers roll it back with ``cache.trim``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from specdecode.cache import KVCache
+from specdecode.errors import UnsupportedModelError, WeightsMissingError
+from specdecode.models import kernels
+from specdecode.models.config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    in_norm: Tensor  # [D]
+    qkv_t: Tensor  # [D, (H + 2*Hkv) * d]
+    qkv_bias: Tensor | None  # [(H + 2*Hkv) * d]
+    o_t: Tensor  # [H*d, D]
+    post_norm: Tensor  # [D]
+    gate_up_t: Tensor  # [D, 2*I]
+    down_t: Tensor  # [I, D]
+
+
+class Decoder:
+    """Llama-family transformer: ``forward(tokens, cache) -> logits``."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.embed = weights["model.embed_tokens.weight"].to(dtype)  # [V, D]
+        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        if not config.tie_word_embeddings and "lm_head.weight" not in weights:
+            raise UnsupportedModelError("checkpoint has untied embeddings but no lm_head.weight")
+        self.lm_head_t = _t(head, dtype)  # [D, V]
+        self.norm = weights["model.norm.weight"].to(dtype)
+        self.layers = [_layer(weights, f"model.layers.{i}.", dtype) for i in range(config.num_layers)]
+        self.cos, self.sin = kernels.rope_tables(
+            config.head_dim, config.rope_theta, config.max_position_embeddings + kernels.KEY_BLOCK
+        )
+
+    @classmethod
+    def from_dir(cls, path: Path | str, dtype: str = "float32") -> "Decoder":
+        """Load an HF-format folder (config.json + *.safetensors), memory-mapping the files."""
+        path = Path(path)
+        config = ModelConfig.from_dir(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightsMissingError(f"no *.safetensors files in {path}")
+        weights: dict[str, Tensor] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    weights[name] = f.get_tensor(name)
+        return cls(config, weights, DTYPES[dtype])
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """A cache for ``capacity`` tokens, rounded up to whole attention key blocks."""
+        cfg = self.config
+        blocks = math.ceil(capacity / kernels.KEY_BLOCK)
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks * kernels.KEY_BLOCK, self.dtype)
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = False) -> Tensor:
+        """Run ``tokens`` [N] at the next N cache slots; return logits [N, V] (or [1, V]).
+
+        Row i attends to every cached token and to rows 0..i (causal). The cache length grows by N.
+        """
+        cfg = self.config
+        n = tokens.shape[0]
+        start = cache.reserve(n)
+        total = start + n
+        span = math.ceil(total / kernels.KEY_BLOCK) * kernels.KEY_BLOCK  # keys the kernels read
+        group = cfg.num_heads // cfg.num_kv_heads
+        cos, sin = self.cos[start:total], self.sin[start:total]
+        bias = _causal_bias(start, n, span, group)  # [G*N, span]
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        x = self.embed[tokens]  # [N, D]
+        for i, layer in enumerate(self.layers):
+            x = self._layer(x, layer, cache, i, start, span, cos, sin, bias, scale)
+        if last_only:
+            x = x[-1:]
+        x = kernels.rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return kernels.matmul_rows(x, self.lm_head_t).float()
+
+    def _layer(self, x, w: LayerWeights, cache, i, start, span, cos, sin, bias, scale) -> Tensor:
+        cfg = self.config
+        n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = kernels.rms_norm(x, w.in_norm, cfg.rms_norm_eps)
+        qkv = kernels.matmul_rows(h, w.qkv_t)
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        q = kernels.apply_rope(q.view(n, hq, d), cos, sin)
+        k = kernels.apply_rope(k.view(n, hkv, d), cos, sin)
+        cache.k[i, :, start : start + n] = k.transpose(0, 1)
+        cache.v[i, :, start : start + n] = v.view(n, hkv, d).transpose(0, 1)
+        # [N, Hq, d] -> [Hkv, G*N, d]: query heads of one kv head are consecutive in HF layouts.
+        qg = q.view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
+        attn = kernels.attention(qg, cache.k[i, :, :span], cache.v[i, :, :span], bias, scale)
+        attn = attn.view(hkv, hq // hkv, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
+        x = x + kernels.matmul_rows(attn, w.o_t)
+        h = kernels.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+        gate, up = kernels.matmul_rows(h, w.gate_up_t).chunk(2, dim=-1)
+        return x + kernels.matmul_rows(torch.nn.functional.silu(gate) * up, w.down_t)
+
+
+def _t(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """[out, in] checkpoint weight -> [in, out] contiguous compute weight."""
+    return w.to(dtype).t().contiguous()
+
+
+def _layer(weights: dict[str, Tensor], p: str, dtype: torch.dtype) -> LayerWeights:
+    a, m = p + "self_attn.", p + "mlp."
+    qkv = torch.cat([weights[f"{a}{n}_proj.weight"] for n in "qkv"])
+    has_bias = f"{a}q_proj.bias" in weights
+    bias = torch.cat([weights[f"{a}{n}_proj.bias"] for n in "qkv"]).to(dtype) if has_bias else None
+    return LayerWeights(
+        in_norm=weights[p + "input_layernorm.weight"].to(dtype),
+        qkv_t=_t(qkv, dtype),
+        qkv_bias=bias,
+        o_t=_t(weights[a + "o_proj.weight"], dtype),
+        post_norm=weights[p + "post_attention_layernorm.weight"].to(dtype),
+        gate_up_t=_t(torch.cat([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]]), dtype),
+        down_t=_t(weights[m + "down_proj.weight"], dtype),
+    )
+
+
+def _causal_bias(start: int, n: int, span: int, group: int) -> Tensor:
+    """Additive mask [G*N, span]: row (g, i) sees slots 0 .. start+i."""
+    cols = torch.arange(span)
+    visible = cols[None, :] <= (start + torch.arange(n))[:, None]  # [N, span]
+    bias = torch.zeros(n, span).masked_fill_(~visible, float("-inf"))
+    return bias.repeat(group, 1)
