@@ -14,7 +14,8 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model(path: Path, arch: str, vocab_size: int = 96, seed: int = 0, **overrides) -> Path:
+def make_tiny_model(path: Path, arch: str, vocab_size: int = 96, seed: int = 0, noise: float = 0.0,
+                    **overrides) -> Path:
     """Save a tiny random model of ``arch`` as an HF folder; returns the folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -37,7 +38,9 @@ def make_tiny_model(path: Path, arch: str, vocab_size: int = 96, seed: int = 0, 
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():  # random init is near-uniform; sharpen so greedy paths are varied
         for p in model.parameters():
-            p.mul_(4.0 if p.dim() == 2 else 1.0)
+            p.mul_(2.0 if p.dim() == 2 else 1.0)
+            if noise:  # a perturbed copy of the same seed makes a draft that is often right
+                p.add_(torch.randn_like(p) * noise * p.std())
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -46,3 +49,42 @@ def make_tiny_model(path: Path, arch: str, vocab_size: int = 96, seed: int = 0, 
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_model(root / arch, arch, seed=i) for i, arch in enumerate(TINY_CONFIGS)}
+
+
+TINY_VOCAB = 260  # 256 byte tokens + <eos> + 3 unused ids (embedding rows may exceed the tokenizer)
+EOS_ID = 256
+
+
+def make_tiny_tokenizer(path: Path) -> None:
+    """A byte-level BPE without merges: every byte is a token, so any text round-trips."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    assert tok.token_to_id("<eos>") == EOS_ID
+    tok.save(str(path / "tokenizer.json"))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID}))
+
+
+def make_tiny_llm(path: Path, arch: str = "llama", seed: int = 0, noise: float = 0.0, **overrides) -> Path:
+    make_tiny_model(path, arch, vocab_size=TINY_VOCAB, seed=seed, noise=noise, **overrides)
+    make_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny target and a tiny draft of the same vocabulary (different weights)."""
+    root = tmp_path_factory.mktemp("pair")
+    # Untied heads: with tied embeddings a random model mostly repeats its last token.
+    target = make_tiny_llm(root / "target", "qwen2", seed=10, tie_word_embeddings=False)
+    draft = make_tiny_llm(root / "draft", "qwen2", seed=10, noise=0.1, tie_word_embeddings=False)
+    return target, draft

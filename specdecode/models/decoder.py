@@ -41,9 +41,18 @@ class LayerWeights:
 class Decoder:
     """Llama-family transformer: ``forward(tokens, cache) -> logits``."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, Tensor],
+        dtype: torch.dtype,
+        batch_invariant: bool = True,
+    ) -> None:
         self.config = config
         self.dtype = dtype
+        # A drafter's numerics never touch exactness, so a draft model may take the faster
+        # single-row GEMV path; the target must not (see kernels.py).
+        self._mm = kernels.matmul_rows if batch_invariant else torch.matmul
         self.embed = weights["model.embed_tokens.weight"].to(dtype)  # [V, D]
         head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
         if not config.tie_word_embeddings and "lm_head.weight" not in weights:
@@ -56,7 +65,7 @@ class Decoder:
         )
 
     @classmethod
-    def from_dir(cls, path: Path | str, dtype: str = "float32") -> "Decoder":
+    def from_dir(cls, path: Path | str, dtype: str = "float32", batch_invariant: bool = True) -> "Decoder":
         """Load an HF-format folder (config.json + *.safetensors), memory-mapping the files."""
         path = Path(path)
         config = ModelConfig.from_dir(path)
@@ -68,7 +77,7 @@ class Decoder:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     weights[name] = f.get_tensor(name)
-        return cls(config, weights, DTYPES[dtype])
+        return cls(config, weights, DTYPES[dtype], batch_invariant)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A cache for ``capacity`` tokens, rounded up to whole attention key blocks."""
@@ -101,13 +110,13 @@ class Decoder:
         if last_only:
             x = x[-1:]
         x = kernels.rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return kernels.matmul_rows(x, self.lm_head_t).float()
+        return self._mm(x, self.lm_head_t).float()
 
     def _layer(self, x, w: LayerWeights, cache, i, start, span, cos, sin, bias, scale) -> Tensor:
         cfg = self.config
         n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = kernels.rms_norm(x, w.in_norm, cfg.rms_norm_eps)
-        qkv = kernels.matmul_rows(h, w.qkv_t)
+        qkv = self._mm(h, w.qkv_t)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
@@ -119,10 +128,10 @@ class Decoder:
         qg = q.view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
         attn = kernels.attention(qg, cache.k[i, :, :span], cache.v[i, :, :span], bias, scale)
         attn = attn.view(hkv, hq // hkv, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
-        x = x + kernels.matmul_rows(attn, w.o_t)
+        x = x + self._mm(attn, w.o_t)
         h = kernels.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-        gate, up = kernels.matmul_rows(h, w.gate_up_t).chunk(2, dim=-1)
-        return x + kernels.matmul_rows(torch.nn.functional.silu(gate) * up, w.down_t)
+        gate, up = self._mm(h, w.gate_up_t).chunk(2, dim=-1)
+        return x + self._mm(torch.nn.functional.silu(gate) * up, w.down_t)
 
 
 def _t(w: Tensor, dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,31 @@
+"""specdecode: lossless speculative decoding for LLMs.
+
+Heavy imports (torch, the model code) happen on first use of ``LLM``, not at ``import specdecode``,
+so the CLI's ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:
+    from specdecode.api import LLM
+    from specdecode.engine import GenerationOutput
+
+__all__ = ["LLM", "GenerationOutput", "SamplingParams", "SpecConfig", "SpecDecodeError"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from specdecode.api import LLM
+
+        return LLM
+    if name == "GenerationOutput":
+        from specdecode.engine import GenerationOutput
+
+        return GenerationOutput
+    raise AttributeError(name)

@@ -1,0 +1,127 @@
+"""The Python API: ``LLM(...).generate / chat / stream``.
+
+``LLM`` loads the target (and optionally a draft model) once and keeps one drafter per method, so
+a caller can compare methods on the same loaded weights (``method=`` on each call overrides the
+default given at construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from specdecode.config import ModelSpec, SamplingParams, SpecConfig
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.engine import Engine, GenerationOutput
+from specdecode.errors import InvalidConfigError, VocabularyMismatchError
+from specdecode.models.catalog import resolve_model
+from specdecode.models.decoder import Decoder
+from specdecode.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+class LLM:
+    """A target model, an optional draft model, and the speculative methods over them."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        draft: str | None = None,
+        method: str = "none",
+        num_speculative_tokens: int = 5,
+        dtype: str = "float32",
+        max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+        ngram_min: int = 1,
+        ngram_max: int = 4,
+        progress: bool = True,
+    ) -> None:
+        self.spec = SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max)
+        self.model_spec = ModelSpec(model, dtype, max_seq_len)
+        if draft is None and method == "draft_model":
+            draft = DEFAULT_DRAFTS.get(model)
+            if draft is None:
+                raise InvalidConfigError(f"method 'draft_model' needs a draft model for {model!r}: pass draft=")
+        path = resolve_model(model, progress=progress)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.target = Decoder.from_dir(path, dtype)
+        self.engine = Engine(self.target, self.tokenizer, max_seq_len)
+        self.draft_model: Decoder | None = None
+        if draft is not None:
+            # The draft's numerics never affect exactness, so it takes the fast single-row path.
+            self.draft_model = Decoder.from_dir(resolve_model(draft, progress=progress), dtype,
+                                                batch_invariant=False)
+            if self.draft_model.config.vocab_size != self.target.config.vocab_size:
+                raise VocabularyMismatchError(
+                    f"draft {draft!r} has a vocabulary of {self.draft_model.config.vocab_size} tokens "
+                    f"but target {model!r} has {self.target.config.vocab_size}; use a draft of the "
+                    "same model family"
+                )
+        self.model_name, self.draft_name = model, draft
+        self._drafters: dict[str, Drafter] = {}
+
+    def drafter(self, method: str | None = None) -> Drafter | None:
+        """The (reused) drafter for ``method``; None for plain decoding."""
+        method = SpecConfig(method or self.spec.method, self.spec.num_speculative_tokens,
+                            self.spec.ngram_min, self.spec.ngram_max).method
+        if method == "none":
+            return None
+        if method not in self._drafters:
+            if method == "ngram":
+                self._drafters[method] = NgramDrafter(self.spec.ngram_min, self.spec.ngram_max)
+            else:  # draft_model
+                if self.draft_model is None:
+                    raise InvalidConfigError("method 'draft_model' needs a draft model: pass draft=")
+                self._drafters[method] = DraftModelDrafter(
+                    self.draft_model, self.target.config.vocab_size, self.engine.max_seq_len
+                )
+        return self._drafters[method]
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | None = None,
+        method: str | None = None,
+        num_speculative_tokens: int | None = None,
+    ) -> list[GenerationOutput]:
+        """Complete each raw prompt (no chat template)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return [self._run(self.tokenizer.encode(p), params, method, num_speculative_tokens) for p in prompts]
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        method: str | None = None,
+        num_speculative_tokens: int | None = None,
+    ) -> GenerationOutput:
+        """Answer one conversation, formatted with the model's chat template."""
+        return self._run(self.chat_prompt_ids(messages), params, method, num_speculative_tokens)
+
+    def stream(
+        self,
+        prompt: str,
+        params: SamplingParams | None = None,
+        method: str | None = None,
+        num_speculative_tokens: int | None = None,
+    ) -> Iterator[str]:
+        """Yield text as it is accepted; the pieces join to ``generate``'s text."""
+        ids = self.tokenizer.encode(prompt)
+        k = num_speculative_tokens or self.spec.num_speculative_tokens
+        for event in self.engine.stream(ids, params or SamplingParams(), self.drafter(method), k):
+            if event.text:
+                yield event.text
+
+    def chat_prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if not messages:
+            raise InvalidConfigError("messages is empty: give at least one message")
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(messages)))
+
+    def _run(self, ids: list[int], params: SamplingParams | None, method: str | None,
+             k: int | None) -> GenerationOutput:
+        k = k or self.spec.num_speculative_tokens
+        return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k)

@@ -1,0 +1,51 @@
+"""``specdecode`` command line: one parser, each subcommand in its own module's ``main``.
+
+User errors (``SpecDecodeError``) print one line on stderr and exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from specdecode.errors import SpecDecodeError
+
+
+def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]]:
+    from specdecode.cli_generate import add_arguments as generate_args
+    from specdecode.cli_models import add_arguments as models_args
+    from specdecode.cli_verify_cost import add_arguments as verify_cost_args
+
+    return {
+        "generate": ("Generate text with or without speculative decoding.", generate_args),
+        "models": ("List the named models or convert one now.", models_args),
+        "verify-cost": ("Measure what verifying K draft tokens costs against one token.", verify_cost_args),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode",
+        description="Lossless speculative decoding: the target model's exact output, faster.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add) in _commands().items():
+        add(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except SpecDecodeError as exc:
+        print(f"specdecode: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""``specdecode generate``: one prompt, optionally compared against plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdecode.config import DTYPES, METHODS, SamplingParams
+from specdecode.errors import InvalidConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="target: a catalog name (see `specdecode models list`), a local HF folder, "
+                        "a .gguf file or a hub id (default: %(default)s)")
+    p.add_argument("--draft", default=None,
+                   help="draft model for --method draft_model (same vocabulary as the target); "
+                        "defaults to the catalog's pair for the default target")
+    p.add_argument("--method", choices=METHODS, default="none",
+                   help="none = plain decoding; ngram = prompt lookup; draft_model = a small model "
+                        "drafts (default: %(default)s)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, dest="k",
+                   help="draft tokens proposed per step (default: %(default)s)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true",
+                   help="treat the prompt as a user message and apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples with exact rejection sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the top K tokens; 0 = off (default)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run --method none on the same input and report speedup and identity")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdecode.api import LLM
+
+    prompt = _read_prompt(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+              dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json)
+    ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
+    if not args.json and not args.compare:
+        for event in llm.engine.stream(ids, params, llm.drafter(), args.k):
+            print(event.text, end="", flush=True)
+            out = event.output
+        print()
+        _print_stats(out)
+        return 0
+    out = llm.engine.generate(ids, params, llm.drafter(), args.k)
+    base = llm.engine.generate(ids, params, None, args.k) if args.compare else None
+    if args.json:
+        print(json.dumps(_report(out, base)))
+    else:
+        print(out.text)
+        _print_stats(out, base)
+    return 0
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        return args.prompt_file.read_text()
+    except OSError as exc:
+        raise InvalidConfigError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+
+
+def _report(out, base) -> dict:
+    s = out.stats
+    report = {
+        "text": out.text, "token_ids": out.token_ids, "method": out.method,
+        "finish_reason": out.finish_reason, "tokens_per_s": s.tokens_per_s,
+        "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+        "stats": s.to_dict(),
+    }
+    if base is not None:
+        report.update(
+            baseline_tokens_per_s=base.stats.tokens_per_s,
+            speedup=s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0,
+            identical=out.token_ids == base.token_ids,
+        )
+    return report
+
+
+def _print_stats(out, base=None) -> None:
+    s = out.stats
+    line = (f"[{out.method}] {s.completion_tokens} tokens, {s.tokens_per_s:.2f} tok/s, "
+            f"tau {s.mean_acceptance_length:.2f}, acceptance {s.acceptance_rate:.0%}, "
+            f"ttft {s.ttft_s:.2f}s, finish {out.finish_reason}")
+    print(line, file=sys.stderr)
+    if base is not None:
+        r = _report(out, base)
+        print(f"[none] {base.stats.tokens_per_s:.2f} tok/s; speedup {r['speedup']:.2f}x; "
+              f"identical to plain decoding: {r['identical']}", file=sys.stderr)

@@ -1,0 +1,39 @@
+"""``specdecode models list|pull``: what the catalog knows and whether it is converted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    ls = sub.add_parser("list", help="named models: source, size, installed and converted or not")
+    ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    ls.set_defaults(run=run_list)
+    pull = sub.add_parser("pull", help="convert a named model now (it is otherwise converted on first use)")
+    pull.add_argument("name", help="a catalog name, e.g. qwen2.5-coder-0.5b-instruct")
+    pull.set_defaults(run=run_pull)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from specdecode.models.catalog import list_models
+
+    rows = list_models()
+    if args.json:
+        print(json.dumps([{"name": m.name, "source": m.source, "size_bytes": m.size_bytes,
+                           "installed": m.installed, "converted": m.converted, "path": str(m.path)}
+                          for m in rows]))
+        return 0
+    print(f"{'NAME':32} {'SIZE':>8}  {'INSTALLED':9}  {'CONVERTED':9}  SOURCE")
+    for m in rows:
+        print(f"{m.name:32} {m.size_bytes / 2**20:7.0f}M  {'yes' if m.installed else 'no':9}  "
+              f"{'yes' if m.converted else 'no':9}  {m.source}")
+    return 0
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from specdecode.models.catalog import pull
+
+    print(pull(args.name, progress=True))
+    return 0

@@ -1,0 +1,56 @@
+"""``specdecode verify-cost``: how much one verify step of K drafts costs against one token.
+
+Speculative decoding only pays if scoring K+1 tokens costs about one token's forward. This times
+the target's forward for 1 row and for K+1 rows at the same context length and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, action="append",
+                   help="draft tokens per verify (repeatable; default: 1 2 4 8)")
+    p.add_argument("--context", type=int, default=256, help="tokens already in the cache (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions, median reported (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdecode.models.catalog import resolve_model
+    from specdecode.models.decoder import Decoder
+
+    model = Decoder.from_dir(resolve_model(args.model, progress=not args.json), args.dtype)
+    ks = args.k or [1, 2, 4, 8]
+    cache = model.new_cache(args.context + max(ks) + 2)
+    prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+    model.forward(prompt, cache, last_only=True)
+
+    def timed(rows: int) -> float:
+        samples = []
+        for _ in range(args.repeat + 1):  # the first run warms up
+            t = time.perf_counter()
+            model.forward(prompt[:rows], cache)
+            samples.append(time.perf_counter() - t)
+            cache.trim(rows)
+        return statistics.median(samples[1:])
+
+    one = timed(1)
+    result = {"model": args.model, "dtype": args.dtype, "context": args.context, "one_token_s": one,
+              "verify": {k: {"rows": k + 1, "seconds": (s := timed(k + 1)), "ratio": s / one} for k in ks}}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{args.model} ({args.dtype}), context {args.context}: one token {one * 1e3:.1f} ms")
+    for k, r in result["verify"].items():
+        print(f"  verify K={k:<2} ({r['rows']} rows): {r['seconds'] * 1e3:7.1f} ms = {r['ratio']:.2f}x one token")
+    return 0

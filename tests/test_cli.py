@@ -1,0 +1,81 @@
+"""The CLI: JSON contract, --compare, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_json_compare(tiny_pair):
+    target, draft = tiny_pair
+    res = run_cli("generate", "--model", str(target), "--draft", str(draft), "--method", "draft_model",
+                  "-k", "3", "--prompt", "abc abc abc", "--max-tokens", "12", "--compare", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)  # exactly one JSON object on stdout
+    for key in ("text", "token_ids", "method", "tokens_per_s", "acceptance_rate", "mean_acceptance_length",
+                "baseline_tokens_per_s", "speedup", "identical"):
+        assert key in report
+    assert report["method"] == "draft_model"
+    assert report["identical"] is True
+    assert len(report["token_ids"]) <= 12
+
+
+def test_generate_streams_text(tiny_pair):
+    target, _ = tiny_pair
+    res = run_cli("generate", "--model", str(target), "--method", "ngram", "--prompt", "xyz xyz",
+                  "--max-tokens", "5")
+    assert res.returncode == 0, res.stderr
+    assert "[ngram]" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "prompt-file"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tiny_pair, args, message):
+    target, _ = tiny_pair
+    base = ["generate", "--model", str(target)]
+    if "--prompt-file" not in args:
+        base += ["--prompt", "hi"]
+    if args[0] == "--model":
+        base = ["generate", "--prompt", "hi"]
+    res = run_cli(*base, *args)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert message in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_too_long(tiny_pair):
+    target, _ = tiny_pair
+    res = run_cli("generate", "--model", str(target), "--prompt", "a" * 600, "--max-seq-len", "256")
+    assert res.returncode == 2 and "prompt" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_vocab_mismatch(tiny_models, tiny_pair):
+    target, _ = tiny_pair
+    res = run_cli("generate", "--model", str(target), "--draft", str(tiny_models["llama"]),
+                  "--method", "draft_model", "--prompt", "hi")
+    assert res.returncode == 2
+    assert "260" in res.stderr and "96" in res.stderr
+
+
+def test_help_lists_every_command():
+    res = run_cli("--help")
+    assert res.returncode == 0
+    for cmd in ("generate", "models", "verify-cost"):
+        assert cmd in res.stdout

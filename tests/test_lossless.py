@@ -1,0 +1,107 @@
+"""Every drafter reproduces plain greedy decoding token for token (tiny random models)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+
+SEEDS = range(6)
+
+
+def _prompt(seed: int) -> str:
+    rng = random.Random(seed)
+    words = ["def", "f(x)", "return", "x", "+", "1", "\n", "class", "A", ":", "self"]
+    body = " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))
+    return body + " " + body[: rng.randint(1, 12)]  # repeated spans give n-gram matches
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_pair):
+    target, draft = tiny_pair
+    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False)
+
+
+@pytest.fixture(scope="module")
+def self_draft_llm(tiny_pair):
+    target, _ = tiny_pair
+    return LLM(model=str(target), draft=str(target), max_seq_len=512, progress=False)
+
+
+def _greedy(n: int = 40) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_identity(llm, method, k):
+    drafted = 0
+    for seed in SEEDS:
+        prompt = _prompt(seed)
+        plain = llm.generate(prompt, _greedy(), method="none")[0]
+        spec = llm.generate(prompt, _greedy(), method=method, num_speculative_tokens=k)[0]
+        assert spec.token_ids == plain.token_ids, (method, k, seed)
+        assert spec.text == plain.text
+        drafted += spec.stats.draft_tokens
+        assert spec.stats.accepted_tokens <= spec.stats.draft_tokens
+    assert drafted > 0, "the drafter never proposed anything: the test would prove nothing"
+
+
+def test_some_drafts_are_rejected_and_some_accepted(llm):
+    stats = [llm.generate(_prompt(s), _greedy(), method="draft_model", num_speculative_tokens=4)[0].stats
+             for s in SEEDS]
+    assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_perfect_draft_accepts_everything(self_draft_llm, k):
+    out = self_draft_llm.generate(_prompt(1), _greedy(33), method="draft_model", num_speculative_tokens=k)[0]
+    plain = self_draft_llm.generate(_prompt(1), _greedy(33), method="none")[0]
+    assert out.token_ids == plain.token_ids
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.mean_acceptance_length == pytest.approx(1 + out.stats.accepted_tokens / out.stats.drafts)
+    assert out.stats.target_steps < plain.stats.target_steps
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_max_tokens_is_exact(llm, method, max_tokens):
+    out = llm.generate(_prompt(3), _greedy(max_tokens), method=method, num_speculative_tokens=4)[0]
+    assert len(out.token_ids) == max_tokens
+    assert out.finish_reason == "length"
+    assert out.stats.completion_tokens == max_tokens
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
+def test_stream_equals_generate(llm, method):
+    params = SamplingParams(max_tokens=30, stop=("x +",), ignore_eos=True)
+    for seed in SEEDS:
+        whole = llm.generate(_prompt(seed), params, method=method)[0].text
+        assert "".join(llm.stream(_prompt(seed), params, method=method)) == whole
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model"])
+def test_stop_string_cuts_output_like_plain_decoding(llm, method):
+    plain = llm.generate(_prompt(2), _greedy(40), method="none")[0].text
+    stop = plain[10:13]
+    assert len(stop) == 3
+    out = llm.generate(_prompt(2), SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True), method=method)[0]
+    assert out.text == plain[: plain.index(stop)]
+    assert out.finish_reason == "stop"
+
+
+def test_eos_stops_generation(tiny_pair):
+    from tests.conftest import EOS_ID
+
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False)
+    # Make EOS the most likely token everywhere: plain and speculative both stop right after it.
+    llm.target.lm_head_t[:, EOS_ID] = 0
+    llm.target.lm_head_t[0, EOS_ID] = 1e4
+    llm.target.norm.fill_(1.0)
+    for method in ("none", "draft_model", "ngram"):
+        out = llm.generate("abc", SamplingParams(max_tokens=20), method=method)[0]
+        assert out.finish_reason == "stop", method
+        assert out.token_ids[-1] == EOS_ID

@@ -1,0 +1,90 @@
+"""Speculative sampling has exactly the target's distribution (engine level, tiny model).
+
+With top_k = 3 the target's next-token distribution has 3 outcomes, so the joint law of the first
+three generated tokens has 27 cells and can be enumerated exactly with the target alone. The draft
+model (other weights) proposes from a different distribution, so both acceptance and the residual
+resampling are exercised.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.sampling import logits_to_probs
+
+TRIALS = 1500
+
+
+def chi2_critical(dof: int, p: float = 1e-3) -> float:
+    """Upper quantile of chi-square via Wilson-Hilferty (z = 3.09 for p = 0.001)."""
+    z = {1e-3: 3.090232}[p]
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def exact_joint(llm: LLM, prompt_ids: list[int], params: SamplingParams, depth: int) -> dict[tuple, float]:
+    target = llm.target
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: list[int], mass: float) -> None:
+        if len(prefix) == depth:
+            out[tuple(prefix)] = mass
+            return
+        cache = target.new_cache(len(prompt_ids) + depth + 1)
+        logits = target.forward(torch.tensor(prompt_ids + prefix), cache, last_only=True)
+        probs = logits_to_probs(logits, params)[0]
+        for tok in torch.nonzero(probs).flatten().tolist():
+            walk(prefix + [tok], mass * float(probs[tok]))
+
+    walk([], 1.0)
+    return out
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, method):
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=128, progress=False)
+    prompt = "ab ab ab a"
+    ids = llm.tokenizer.encode(prompt)
+    base = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    exact = exact_joint(llm, ids, base, depth=3)
+    assert len(exact) == 27 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
+
+    counts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(TRIALS):
+        params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
+        out = llm.generate(prompt, params, method=method, num_speculative_tokens=2)[0]
+        counts[tuple(out.token_ids)] += 1
+        drafted += out.stats.draft_tokens
+        accepted += out.stats.accepted_tokens
+    assert sum(counts.values()) == TRIALS and set(counts) <= set(exact)
+    assert drafted > 0 and 0 < accepted < drafted  # both accept and reject paths ran
+
+    # Pool cells with small expectations so the chi-square approximation holds.
+    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
+    for cell, p in exact.items():
+        e = p * TRIALS
+        if e < 5:
+            pool_obs, pool_exp = pool_obs + counts[cell], pool_exp + e
+            continue
+        stat += (counts[cell] - e) ** 2 / e
+        dof += 1
+    if pool_exp > 0:
+        stat += (pool_obs - pool_exp) ** 2 / pool_exp
+        dof += 1
+    assert dof >= 5
+    assert stat < chi2_critical(dof), f"chi2 {stat:.1f} with {dof} dof"
+
+
+def test_same_seed_same_sample(tiny_pair):
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=128, progress=False)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
+    runs = [llm.generate("hello", params, method="draft_model")[0].token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
