@@ -33,13 +33,12 @@ class StopChecker:
             seq.token_ids.append(token)
             committed.append(token)
             if token in self.eos:
-                self.text += self.decoder.flush()
+                self._add_text(self.decoder.flush())
                 self.finish_reason = "stop"
             else:
                 self._add_text(self.decoder.push([token]))
             if not self.finished and seq.num_generated >= self.params.max_tokens:
-                self.text += self.decoder.flush()
-                self._cut_at_stop_string(max(0, len(self.text) - self._max_stop - 8))
+                self._add_text(self.decoder.flush())
                 self.finish_reason = self.finish_reason or "length"
             if self.finished:
                 break
@@ -61,8 +60,8 @@ class StopChecker:
     def mark_length(self) -> None:
         """The context is full: finish as if max_tokens were reached."""
         if not self.finished:
-            self.text += self.decoder.flush()
-            self.finish_reason = "length"
+            self._add_text(self.decoder.flush())
+            self.finish_reason = self.finish_reason or "length"
 
     def take_text(self, final: bool = False) -> str:
         """Text that is final now: everything unless a stop string could still complete."""
