@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+# Where converted real models live (reused across runs); tests otherwise get a private home so
+# packed-weight caches of temporary tiny models never pile up in the user's cache.
+REAL_HOME = Path(os.environ.get("SPECDECODE_HOME") or Path.home() / ".cache" / "specdecode")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_specdecode_home(tmp_path_factory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("specdecode-home")
+    old = os.environ.get("SPECDECODE_HOME")
+    os.environ["SPECDECODE_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("SPECDECODE_HOME", None)
+    else:
+        os.environ["SPECDECODE_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def real_home() -> Iterator[Path]:
+    """Point SPECDECODE_HOME at the real cache while a module of slow tests loads real models."""
+    saved = os.environ["SPECDECODE_HOME"]
+    os.environ["SPECDECODE_HOME"] = str(REAL_HOME)
+    yield REAL_HOME
+    os.environ["SPECDECODE_HOME"] = saved
 
 TINY_CONFIGS = {
     "llama": dict(model_type="llama", attention_bias=False, tie_word_embeddings=False),

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from specdecode.cache import KVCache
-from specdecode.errors import UnsupportedModelError, WeightsMissingError
 from specdecode.models import kernels
 from specdecode.models.config import ModelConfig
+from specdecode.models.packed import load_packed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,40 +43,33 @@ class Decoder:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, Tensor],
+        packed: dict[str, Tensor],
         dtype: torch.dtype,
         batch_invariant: bool = True,
     ) -> None:
+        """``packed``: compute-layout tensors as made by ``packed.pack``."""
         self.config = config
         self.dtype = dtype
         # A drafter's numerics never touch exactness, so a draft model may take the faster
         # single-row GEMV path; the target must not (see kernels.py).
         self._mm = kernels.matmul_rows if batch_invariant else torch.matmul
-        self.embed = weights["model.embed_tokens.weight"].to(dtype)  # [V, D]
-        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-        if not config.tie_word_embeddings and "lm_head.weight" not in weights:
-            raise UnsupportedModelError("checkpoint has untied embeddings but no lm_head.weight")
-        self.lm_head_t = _t(head, dtype)  # [D, V]
-        self.norm = weights["model.norm.weight"].to(dtype)
-        self.layers = [_layer(weights, f"model.layers.{i}.", dtype) for i in range(config.num_layers)]
+        self.embed = packed["embed"]  # [V, D]
+        self.lm_head_t = packed["lm_head_t"]  # [D, V]
+        self.norm = packed["norm"]  # [D]
+        self.layers = [
+            LayerWeights(**{f: packed.get(f"layers.{i}.{f}") for f in LayerWeights.__slots__})
+            for i in range(config.num_layers)
+        ]
         self.cos, self.sin = kernels.rope_tables(
             config.head_dim, config.rope_theta, config.max_position_embeddings + kernels.KEY_BLOCK
         )
 
     @classmethod
     def from_dir(cls, path: Path | str, dtype: str = "float32", batch_invariant: bool = True) -> "Decoder":
-        """Load an HF-format folder (config.json + *.safetensors), memory-mapping the files."""
-        path = Path(path)
-        config = ModelConfig.from_dir(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise WeightsMissingError(f"no *.safetensors files in {path}")
-        weights: dict[str, Tensor] = {}
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    weights[name] = f.get_tensor(name)
-        return cls(config, weights, DTYPES[dtype], batch_invariant)
+        """Load an HF-format folder (config.json + *.safetensors) through the packed-layout cache."""
+        config = ModelConfig.from_dir(Path(path))
+        torch_dtype = DTYPES[dtype]
+        return cls(config, load_packed(Path(path), config, torch_dtype), torch_dtype, batch_invariant)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A cache for ``capacity`` tokens, rounded up to whole attention key blocks."""
@@ -132,27 +124,6 @@ class Decoder:
         h = kernels.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
         gate, up = self._mm(h, w.gate_up_t).chunk(2, dim=-1)
         return x + self._mm(torch.nn.functional.silu(gate) * up, w.down_t)
-
-
-def _t(w: Tensor, dtype: torch.dtype) -> Tensor:
-    """[out, in] checkpoint weight -> [in, out] contiguous compute weight."""
-    return w.to(dtype).t().contiguous()
-
-
-def _layer(weights: dict[str, Tensor], p: str, dtype: torch.dtype) -> LayerWeights:
-    a, m = p + "self_attn.", p + "mlp."
-    qkv = torch.cat([weights[f"{a}{n}_proj.weight"] for n in "qkv"])
-    has_bias = f"{a}q_proj.bias" in weights
-    bias = torch.cat([weights[f"{a}{n}_proj.bias"] for n in "qkv"]).to(dtype) if has_bias else None
-    return LayerWeights(
-        in_norm=weights[p + "input_layernorm.weight"].to(dtype),
-        qkv_t=_t(qkv, dtype),
-        qkv_bias=bias,
-        o_t=_t(weights[a + "o_proj.weight"], dtype),
-        post_norm=weights[p + "post_attention_layernorm.weight"].to(dtype),
-        gate_up_t=_t(torch.cat([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]]), dtype),
-        down_t=_t(weights[m + "down_proj.weight"], dtype),
-    )
 
 
 def _causal_bias(start: int, n: int, span: int, group: int) -> Tensor:

@@ -1,0 +1,111 @@
+"""The decoder's compute layout, cached on disk so later loads are a memory map, not a copy.
+
+Checkpoints store linear weights ``[out, in]``; the decoder multiplies by ``[in, out]`` contiguous
+weights with q|k|v and gate|up fused (see ``kernels.py`` for why the layout matters on this CPU).
+Building that layout transposes every matrix, about 14 s for the 1.5B model here; memory-mapping
+the cached result takes well under a second and keeps only one copy of the weights in RAM.
+The cache lives under ``$SPECDECODE_HOME/packed/`` keyed by the checkpoint's path, size, mtime
+and dtype, so a changed checkpoint is repacked, and is written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from specdecode.errors import UnsupportedModelError, WeightsMissingError
+from specdecode.models.config import ModelConfig
+
+PACK_VERSION = 1
+
+
+def load_packed(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Packed weights for the checkpoint in ``path``: from the cache, or packed now and cached."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightsMissingError(f"no *.safetensors files in {path}")
+    cached = _cache_file(files, dtype)
+    if cached.exists():
+        return _read(cached)
+    packed = pack(_read_all(files), config, dtype)
+    try:
+        _write_atomic(cached, packed)
+    except OSError as exc:  # a read-only home must not stop generation, only slow the next load
+        print(f"specdecode: could not cache packed weights ({exc.strerror}); continuing", file=sys.stderr)
+        return packed
+    del packed
+    return _read(cached)  # memory-mapped: the packed copy in RAM is released
+
+
+def pack(weights: dict[str, Tensor], config: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
+    """HF checkpoint tensors -> flat dict of compute-layout tensors (see module docstring)."""
+    if not config.tie_word_embeddings and "lm_head.weight" not in weights:
+        raise UnsupportedModelError("checkpoint has untied embeddings but no lm_head.weight")
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    out = {
+        "embed": weights["model.embed_tokens.weight"].to(dtype).contiguous(),
+        "lm_head_t": _transpose([head], dtype),
+        "norm": weights["model.norm.weight"].to(dtype).contiguous(),
+    }
+    for i in range(config.num_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        q = f"layers.{i}."
+        out[q + "in_norm"] = weights[p + "input_layernorm.weight"].to(dtype).contiguous()
+        out[q + "post_norm"] = weights[p + "post_attention_layernorm.weight"].to(dtype).contiguous()
+        out[q + "qkv_t"] = _transpose([weights[f"{a}{n}_proj.weight"] for n in "qkv"], dtype)
+        if f"{a}q_proj.bias" in weights:
+            out[q + "qkv_bias"] = torch.cat([weights[f"{a}{n}_proj.bias"] for n in "qkv"]).to(dtype)
+        out[q + "o_t"] = _transpose([weights[a + "o_proj.weight"]], dtype)
+        out[q + "gate_up_t"] = _transpose([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]], dtype)
+        out[q + "down_t"] = _transpose([weights[m + "down_proj.weight"]], dtype)
+    return out
+
+
+def _transpose(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Stack ``[out_i, in]`` matrices along out and transpose into one ``[in, sum out_i]`` buffer."""
+    total = sum(w.shape[0] for w in parts)
+    buf = torch.empty(parts[0].shape[1], total, dtype=dtype)
+    col = 0
+    for w in parts:
+        buf[:, col : col + w.shape[0]].copy_(w.t())
+        col += w.shape[0]
+    return buf
+
+
+def _cache_file(files: list[Path], dtype: torch.dtype) -> Path:
+    from specdecode.models.catalog import specdecode_home
+
+    key = json.dumps([PACK_VERSION, str(dtype)] + [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
+                                                   for f in files])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return specdecode_home() / "packed" / f"{files[0].parent.name}-{digest}.safetensors"
+
+
+def _read(file: Path) -> dict[str, Tensor]:
+    with safe_open(file, framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def _read_all(files: list[Path]) -> dict[str, Tensor]:
+    weights: dict[str, Tensor] = {}
+    for file in files:
+        weights.update(_read(file))
+    return weights
+
+
+def _write_atomic(target: Path, tensors: dict[str, Tensor]) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        save_file(tensors, str(tmp), metadata={"pack_version": str(PACK_VERSION)})
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
