@@ -79,3 +79,27 @@ def test_help_lists_every_command():
     assert res.returncode == 0
     for cmd in ("generate", "models", "verify-cost"):
         assert cmd in res.stdout
+
+
+def test_verify_cost_prints_ratios(tiny_pair):
+    target, _ = tiny_pair
+    res = run_cli("verify-cost", "--model", str(target), "-k", "2", "-k", "4", "--context", "16",
+                  "--repeat", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert set(report["verify"]) == {"2", "4"}
+    for k, row in report["verify"].items():
+        assert row["rows"] == int(k) + 1
+        assert row["ratio"] == pytest.approx(row["seconds"] / report["one_token_s"])
+
+
+def test_models_list_json():
+    res = run_cli("models", "list", "--json")
+    assert res.returncode == 0, res.stderr
+    names = {m["name"] for m in json.loads(res.stdout)}
+    assert {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"} <= names
+
+
+def test_models_pull_unknown_name_exit_2():
+    res = run_cli("models", "pull", "nope-7b")
+    assert res.returncode == 2 and "nope-7b" in res.stderr and "Traceback" not in res.stderr

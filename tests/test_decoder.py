@@ -68,3 +68,18 @@ def test_context_overflow_raises_named_error(tiny_models):
     cache = model.new_cache(8)
     with pytest.raises(PromptTooLongError):
         model.forward(torch.zeros(cache.capacity + 1, dtype=torch.long), cache)
+
+
+def test_bfloat16_logits_close_to_transformers(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models["qwen2"]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ours = Decoder.from_dir(path, dtype="bfloat16")
+    tokens = torch.arange(20) % ours.config.vocab_size
+    with torch.no_grad():
+        expected = ref(tokens[None]).logits[0].float()
+    got = ours.forward(tokens, ours.new_cache(32))
+    assert got.dtype == torch.float32
+    # bf16 keeps ~3 significant digits; the logits here are O(10).
+    torch.testing.assert_close(got, expected, atol=0.25, rtol=0.05)

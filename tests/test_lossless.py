@@ -105,3 +105,13 @@ def test_eos_stops_generation(tiny_pair):
         out = llm.generate("abc", SamplingParams(max_tokens=20), method=method)[0]
         assert out.finish_reason == "stop", method
         assert out.token_ids[-1] == EOS_ID
+
+
+def test_bfloat16_greedy_identity(tiny_pair):
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), dtype="bfloat16", max_seq_len=512, progress=False)
+    for seed in SEEDS:
+        plain = llm.generate(_prompt(seed), _greedy(), method="none")[0]
+        for method in ("ngram", "draft_model"):
+            spec = llm.generate(_prompt(seed), _greedy(), method=method, num_speculative_tokens=4)[0]
+            assert spec.token_ids == plain.token_ids, (method, seed)

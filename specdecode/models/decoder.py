@@ -60,9 +60,10 @@ class Decoder:
             LayerWeights(**{f: packed.get(f"layers.{i}.{f}") for f in LayerWeights.__slots__})
             for i in range(config.num_layers)
         ]
-        self.cos, self.sin = kernels.rope_tables(
+        cos, sin = kernels.rope_tables(
             config.head_dim, config.rope_theta, config.max_position_embeddings + kernels.KEY_BLOCK
         )
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)  # HF also rotates in the model dtype
 
     @classmethod
     def from_dir(cls, path: Path | str, dtype: str = "float32", batch_invariant: bool = True) -> "Decoder":
@@ -94,7 +95,7 @@ class Decoder:
         span = math.ceil(total / kernels.KEY_BLOCK) * kernels.KEY_BLOCK  # keys the kernels read
         group = cfg.num_heads // cfg.num_kv_heads
         cos, sin = self.cos[start:total], self.sin[start:total]
-        bias = _causal_bias(start, n, span, group)  # [G*N, span]
+        bias = _causal_bias(start, n, span, group).to(self.dtype)  # [G*N, span]
         scale = 1.0 / math.sqrt(cfg.head_dim)
         x = self.embed[tokens]  # [N, D]
         for i, layer in enumerate(self.layers):
