@@ -19,6 +19,8 @@ def private_specdecode_home(tmp_path_factory) -> Iterator[Path]:
     home = tmp_path_factory.mktemp("specdecode-home")
     old = os.environ.get("SPECDECODE_HOME")
     os.environ["SPECDECODE_HOME"] = str(home)
+    # The compiled kernel depends only on its source and torch: build it once, share it.
+    os.environ.setdefault("SPECDECODE_KERNELS", str(REAL_HOME / "kernels"))
     yield home
     if old is None:
         os.environ.pop("SPECDECODE_HOME", None)

@@ -8,13 +8,14 @@ import torch
 from specdecode.models.decoder import Decoder
 
 
+@pytest.mark.parametrize("native", [None, False], ids=["native", "portable"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_logits_match_transformers(tiny_models, arch):
+def test_logits_match_transformers(tiny_models, arch, native):
     from transformers import AutoModelForCausalLM
 
     path = tiny_models[arch]
-    ref = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    ours = Decoder.from_dir(path)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = Decoder.from_dir(path, native=native)
     tokens = torch.randint(0, ours.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(tokens[None]).logits[0]
@@ -26,10 +27,11 @@ def test_logits_match_transformers(tiny_models, arch):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("native", [None, False], ids=["native", "portable"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_rows_are_batch_invariant(tiny_models, arch):
+def test_rows_are_batch_invariant(tiny_models, arch, native):
     """Decoding one token at a time gives bit-identical logits to chunks of 2..9 tokens."""
-    model = Decoder.from_dir(tiny_models[arch])
+    model = Decoder.from_dir(tiny_models[arch], native=native)
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, model.config.vocab_size, (300,), generator=gen)
     prefix = 140  # crosses an attention key block (128) during the chunks

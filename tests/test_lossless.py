@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from specdecode import LLM, SamplingParams
 
@@ -98,9 +99,11 @@ def test_eos_stops_generation(tiny_pair):
     target, draft = tiny_pair
     llm = LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False)
     # Make EOS the most likely token everywhere: plain and speculative both stop right after it.
-    llm.target.lm_head_t[:, EOS_ID] = 0
-    llm.target.lm_head_t[0, EOS_ID] = 1e4
-    llm.target.norm.fill_(1.0)
+    head = llm.target.lm_head.clone()  # the loaded one is memory-mapped from the cache
+    head[EOS_ID] = 0
+    head[EOS_ID, 0] = 1e4
+    llm.target.lm_head = head
+    llm.target.norm = torch.ones_like(llm.target.norm)
     for method in ("none", "draft_model", "ngram"):
         out = llm.generate("abc", SamplingParams(max_tokens=20), method=method)[0]
         assert out.finish_reason == "stop", method

@@ -1,9 +1,8 @@
 """A compact decoder for the Llama family (llama, qwen2, mistral) with a preallocated KV cache.
 
 One class, no per-architecture forks: the family differs only in q/k/v bias, RoPE base and tied
-embeddings, all read from :class:`ModelConfig`. Weights are stored transposed (``[in, out]``) and
-fused (q|k|v, gate|up) so that each layer runs four matmuls whose cost is nearly flat in the row
-count on this CPU; see ``kernels.py`` for why the layout also makes rows batch-invariant.
+embeddings, all read from :class:`ModelConfig`. Weights are fused (q|k|v, gate|up) so each layer
+runs four linear calls, through kernels whose rows are batch-invariant (see ``kernels.py``).
 
 The model knows nothing about drafting or sampling: ``forward`` maps tokens at cache slots to
 logits, advancing the cache; callers roll it back with ``cache.trim``.
@@ -29,12 +28,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass(slots=True)
 class LayerWeights:
     in_norm: Tensor  # [D]
-    qkv_t: Tensor  # [D, (H + 2*Hkv) * d]
+    qkv: Tensor  # [(H + 2*Hkv) * d, D]
     qkv_bias: Tensor | None  # [(H + 2*Hkv) * d]
-    o_t: Tensor  # [H*d, D]
+    o: Tensor  # [D, H*d]
     post_norm: Tensor  # [D]
-    gate_up_t: Tensor  # [D, 2*I]
-    down_t: Tensor  # [I, D]
+    gate_up: Tensor  # [2*I, D]
+    down: Tensor  # [D, I]
 
 
 class Decoder:
@@ -46,15 +45,15 @@ class Decoder:
         packed: dict[str, Tensor],
         dtype: torch.dtype,
         batch_invariant: bool = True,
+        native: bool | None = None,
     ) -> None:
-        """``packed``: compute-layout tensors as made by ``packed.pack``."""
+        """``packed``: compute-layout tensors as made by ``packed.pack``; ``native``: use the
+        compiled kernel (None = when available), False forces the portable torch path."""
         self.config = config
         self.dtype = dtype
-        # A drafter's numerics never touch exactness, so a draft model may take the faster
-        # single-row GEMV path; the target must not (see kernels.py).
-        self._mm = kernels.matmul_rows if batch_invariant else torch.matmul
+        self._linear = _pick_linear(dtype, batch_invariant, native)
         self.embed = packed["embed"]  # [V, D]
-        self.lm_head_t = packed["lm_head_t"]  # [D, V]
+        self.lm_head = packed.get("lm_head", self.embed)  # [V, D]
         self.norm = packed["norm"]  # [D]
         self.layers = [
             LayerWeights(**{f: packed.get(f"layers.{i}.{f}") for f in LayerWeights.__slots__})
@@ -66,11 +65,13 @@ class Decoder:
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)  # HF also rotates in the model dtype
 
     @classmethod
-    def from_dir(cls, path: Path | str, dtype: str = "float32", batch_invariant: bool = True) -> "Decoder":
+    def from_dir(
+        cls, path: Path | str, dtype: str = "float32", batch_invariant: bool = True, native: bool | None = None
+    ) -> "Decoder":
         """Load an HF-format folder (config.json + *.safetensors) through the packed-layout cache."""
         config = ModelConfig.from_dir(Path(path))
         torch_dtype = DTYPES[dtype]
-        return cls(config, load_packed(Path(path), config, torch_dtype), torch_dtype, batch_invariant)
+        return cls(config, load_packed(Path(path), config, torch_dtype), torch_dtype, batch_invariant, native)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A cache for ``capacity`` tokens, rounded up to whole attention key blocks."""
@@ -103,13 +104,13 @@ class Decoder:
         if last_only:
             x = x[-1:]
         x = kernels.rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return self._mm(x, self.lm_head_t).float()
+        return self._linear(x, self.lm_head).float()
 
     def _layer(self, x, w: LayerWeights, cache, i, start, span, cos, sin, bias, scale) -> Tensor:
         cfg = self.config
         n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = kernels.rms_norm(x, w.in_norm, cfg.rms_norm_eps)
-        qkv = self._mm(h, w.qkv_t)
+        qkv = self._linear(h, w.qkv)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
@@ -121,10 +122,20 @@ class Decoder:
         qg = q.view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
         attn = kernels.attention(qg, cache.k[i, :, :span], cache.v[i, :, :span], bias, scale)
         attn = attn.view(hkv, hq // hkv, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
-        x = x + self._mm(attn, w.o_t)
+        x = x + self._linear(attn, w.o)
         h = kernels.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-        gate, up = self._mm(h, w.gate_up_t).chunk(2, dim=-1)
-        return x + self._mm(torch.nn.functional.silu(gate) * up, w.down_t)
+        gate, up = self._linear(h, w.gate_up).chunk(2, dim=-1)
+        return x + self._linear(torch.nn.functional.silu(gate) * up, w.down)
+
+
+def _pick_linear(dtype: torch.dtype, batch_invariant: bool, use_native: bool | None):
+    """The native kernel when it can run; else the portable invariant path (or, for a draft
+    model whose numerics never affect exactness, plain ``F.linear``)."""
+    from specdecode.models import native
+
+    if use_native is not False and dtype == torch.float32 and native.load() is not None:
+        return kernels.linear_native
+    return kernels.linear_portable if batch_invariant else kernels.linear_fast
 
 
 def _causal_bias(start: int, n: int, span: int, group: int) -> Tensor:

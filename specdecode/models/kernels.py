@@ -2,12 +2,14 @@
 
 Why: speculative decoding verifies K drafts in one forward of K+1 rows, while plain decoding runs
 one row at a time. If a row rounded differently in the two cases, a near-tie in the logits could
-flip the argmax and the "lossless" output would drift from plain decoding. Measured with torch
-2.13 on this machine (fp32, 1536 -> 8960): ``x @ Wt`` (``Wt`` stored ``[in, out]`` contiguous)
-gives a row identical bits for every row count from 2 to 16 and any row position, but a single
-row goes through GEMV and rounds differently. So every matmul here sees at least two rows: a lone
-row is duplicated. The reductions in attention run over fixed-size key blocks so that extra
-(masked, exactly zero) keys never regroup the sums of the real ones.
+flip the argmax and the "lossless" output would drift from plain decoding.
+
+Linear layers take weights ``[out, in]``. The fast path is the native kernel (``native.py``),
+invariant for every row count including one. The portable torch path relies on a measurement
+(torch 2.13 here, fp32): ``w @ x.T`` gives a row identical bits for every row count from 2 to 40
+and any row position, but a single row goes through GEMV and rounds differently, so a lone row is
+duplicated. The reductions in attention run over fixed-size key blocks so that extra (masked,
+exactly zero) keys never regroup the sums of the real ones.
 """
 
 from __future__ import annotations
@@ -18,14 +20,27 @@ from torch import Tensor
 KEY_BLOCK = 128  # keys per attention block; below any BLAS K-blocking, so one block = one pass
 
 
-def matmul_rows(x: Tensor, wt: Tensor) -> Tensor:
-    """``x @ wt`` with a row count that always selects the GEMM kernel.
+def linear_portable(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` with a row count that always selects the GEMM kernel.
 
-    x: [N, in]; wt: [in, out] contiguous -> [N, out].
+    x: [N, in]; w: [out, in] -> [N, out].
     """
+    # Contiguous results: a reduction over a transposed view may group its sums by row count.
     if x.shape[0] == 1:
-        return (x.expand(2, -1) @ wt)[:1]
-    return x @ wt
+        return (w @ x.expand(2, -1).T).T[:1].contiguous()
+    return (w @ x.T).T.contiguous()
+
+
+def linear_fast(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` without invariance care: for drafts, whose numerics never affect exactness."""
+    return torch.nn.functional.linear(x, w)
+
+
+def linear_native(x: Tensor, w: Tensor) -> Tensor:
+    """The native batch-invariant kernel (float32, AVX2); see ``native.py``."""
+    from specdecode.models import native
+
+    return native.load().linear_rows(x.contiguous(), w)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -1,9 +1,9 @@
 """The decoder's compute layout, cached on disk so later loads are a memory map, not a copy.
 
-Checkpoints store linear weights ``[out, in]``; the decoder multiplies by ``[in, out]`` contiguous
-weights with q|k|v and gate|up fused (see ``kernels.py`` for why the layout matters on this CPU).
-Building that layout transposes every matrix, about 14 s for the 1.5B model here; memory-mapping
-the cached result takes well under a second and keeps only one copy of the weights in RAM.
+The decoder fuses q|k|v and gate|up into one ``[out, in]`` matrix each, so a layer runs four
+linear calls; the lm_head of a tied model is the embedding itself. Building the fused matrices
+copies most of the weights (several seconds for the 1.5B model here); memory-mapping the cached
+result takes well under a second and keeps only one copy of the weights in RAM.
 The cache lives under ``$SPECDECODE_HOME/packed/`` keyed by the checkpoint's path, size, mtime
 and dtype, so a changed checkpoint is repacked, and is written atomically.
 """
@@ -24,7 +24,7 @@ from torch import Tensor
 from specdecode.errors import UnsupportedModelError, WeightsMissingError
 from specdecode.models.config import ModelConfig
 
-PACK_VERSION = 1
+PACK_VERSION = 2
 
 
 def load_packed(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -49,35 +49,29 @@ def pack(weights: dict[str, Tensor], config: ModelConfig, dtype: torch.dtype) ->
     """HF checkpoint tensors -> flat dict of compute-layout tensors (see module docstring)."""
     if not config.tie_word_embeddings and "lm_head.weight" not in weights:
         raise UnsupportedModelError("checkpoint has untied embeddings but no lm_head.weight")
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     out = {
         "embed": weights["model.embed_tokens.weight"].to(dtype).contiguous(),
-        "lm_head_t": _transpose([head], dtype),
         "norm": weights["model.norm.weight"].to(dtype).contiguous(),
     }
+    if "lm_head.weight" in weights and not config.tie_word_embeddings:
+        out["lm_head"] = weights["lm_head.weight"].to(dtype).contiguous()
     for i in range(config.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         q = f"layers.{i}."
         out[q + "in_norm"] = weights[p + "input_layernorm.weight"].to(dtype).contiguous()
         out[q + "post_norm"] = weights[p + "post_attention_layernorm.weight"].to(dtype).contiguous()
-        out[q + "qkv_t"] = _transpose([weights[f"{a}{n}_proj.weight"] for n in "qkv"], dtype)
+        out[q + "qkv"] = _fuse([weights[f"{a}{n}_proj.weight"] for n in "qkv"], dtype)
         if f"{a}q_proj.bias" in weights:
             out[q + "qkv_bias"] = torch.cat([weights[f"{a}{n}_proj.bias"] for n in "qkv"]).to(dtype)
-        out[q + "o_t"] = _transpose([weights[a + "o_proj.weight"]], dtype)
-        out[q + "gate_up_t"] = _transpose([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]], dtype)
-        out[q + "down_t"] = _transpose([weights[m + "down_proj.weight"]], dtype)
+        out[q + "o"] = _fuse([weights[a + "o_proj.weight"]], dtype)
+        out[q + "gate_up"] = _fuse([weights[m + "gate_proj.weight"], weights[m + "up_proj.weight"]], dtype)
+        out[q + "down"] = _fuse([weights[m + "down_proj.weight"]], dtype)
     return out
 
 
-def _transpose(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """Stack ``[out_i, in]`` matrices along out and transpose into one ``[in, sum out_i]`` buffer."""
-    total = sum(w.shape[0] for w in parts)
-    buf = torch.empty(parts[0].shape[1], total, dtype=dtype)
-    col = 0
-    for w in parts:
-        buf[:, col : col + w.shape[0]].copy_(w.t())
-        col += w.shape[0]
-    return buf
+def _fuse(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Stack ``[out_i, in]`` matrices into one contiguous ``[sum out_i, in]`` matrix."""
+    return torch.cat([w.to(dtype) for w in parts]).contiguous()
 
 
 def _cache_file(files: list[Path], dtype: torch.dtype) -> Path:
