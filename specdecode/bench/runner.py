@@ -1,0 +1,271 @@
+"""Run every contestant on every prompt, fairly, and check that speculation changed nothing.
+
+Fairness rules (from the issue): one process; contestants interleaved per prompt (for each
+prompt, for each repeat: A B C), so slow drift of the machine (thermal state, another process, the
+page cache) hits every method alike; one warm-up generation per contestant before any timing;
+prefill and decode times kept apart. Under greedy decoding every output is compared token by token
+with ``none`` on the same prompt and repeat: a mismatch is printed loudly and recorded, never
+averaged away.
+
+A *contestant* is anything that turns prompt ids into a ``GenerationOutput``: our engine with one
+drafter and K, a Hugging Face peer (``peers.py``), or a deliberately broken fake in the tests.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from specdecode.bench.workloads import Prompt
+from specdecode.config import METHODS, SamplingParams
+from specdecode.engine import GenerationOutput
+from specdecode.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from specdecode.api import LLM
+
+# A contestant takes the prompt in its own form: token ids for an engine, chat messages or text
+# for an HTTP endpoint. ``Render`` turns the conversation so far into that form.
+Generate = Callable[[Any, SamplingParams], GenerationOutput]
+Render = Callable[[list[dict[str, str]]], Any]
+RowSink = Callable[[dict[str, Any]], None]
+
+BASELINE = "none"
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """One row of the report: a method at one K (``k`` is None for ``none``)."""
+
+    name: str  # "draft_model", or "draft_model@k=4" under --sweep-k
+    method: str
+    k: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Contestant:
+    name: str
+    method: str
+    k: int | None
+    kind: str  # "ours", "peer" (Hugging Face) or "endpoint"
+    generate: Generate
+
+
+@dataclass(slots=True)
+class BenchResult:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)  # identity mismatches of ours
+    target_step_s: float | None = None  # one target forward of one token, measured in this run
+    peak_rss_mb: float = 0.0
+    wall_s: float = 0.0
+
+
+def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool) -> list[RunSpec]:
+    """``none`` first (it is every comparison's reference), then each method at each K.
+
+    Under ``--sweep-k`` every speculative method appears once per K, named ``METHOD@k=K``; without
+    it the plain method name is used. Every row also carries ``method`` and ``k`` fields.
+    """
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise InvalidConfigError(f"unknown method {unknown[0]!r} in --methods; choose from {', '.join(METHODS)}")
+    for k in ks:
+        if not 1 <= k <= 32:
+            raise InvalidConfigError(f"K must be in [1, 32], got {k}")
+    runs = [RunSpec(BASELINE, BASELINE, None)]
+    for method in dict.fromkeys(methods):  # de-duplicated, order kept
+        if method == BASELINE:
+            continue
+        for k in dict.fromkeys(ks):
+            runs.append(RunSpec(f"{method}@k={k}" if sweep else method, method, k))
+    return runs
+
+
+def our_contestants(llm: LLM, runs: Sequence[RunSpec]) -> list[Contestant]:
+    """Contestants over one loaded ``LLM``: all share the target weights and the engine's cache."""
+    contestants = []
+    for run in runs:
+        drafter = llm.drafter(run.method)
+        k = run.k or 1
+
+        def generate(ids: list[int], params: SamplingParams, drafter=drafter, k=k) -> GenerationOutput:
+            return llm.engine.generate(ids, params, drafter, k)
+
+        contestants.append(Contestant(run.name, run.method, run.k, "ours", generate))
+    return contestants
+
+
+def target_step_timer(llm: LLM, context_ids: list[int], repeats: int = 5) -> Callable[[], float]:
+    """Median seconds of one single-token target forward after ``context_ids``: the cost of one
+    plain decoding step, from which the ideal speed of a method is mean_acceptance_length / step."""
+
+    def measure() -> float:
+        import torch
+
+        cache = llm.engine.cache
+        cache.reset()
+        llm.target.forward(torch.tensor(context_ids), cache, last_only=True)
+        token = torch.tensor(context_ids[-1:])
+        samples = []
+        for _ in range(repeats + 1):  # the first call warms up
+            start = time.perf_counter()
+            llm.target.forward(token, cache)
+            samples.append(time.perf_counter() - start)
+            cache.trim(1)
+        cache.reset()
+        return statistics.median(samples[1:])
+
+    return measure
+
+
+def run_benchmark(
+    contestants: Sequence[Contestant],
+    prompts: Sequence[Prompt],
+    params: SamplingParams,
+    render: Render,
+    repeat: int = 1,
+    step_timer: Callable[[], float] | None = None,
+    on_row: RowSink | None = None,
+    progress: bool = True,
+) -> BenchResult:
+    """Warm up, then for each prompt, each repeat, each contestant in order: converse and record.
+
+    ``render`` turns a message list into the contestants' prompt (for our engine: the chat
+    template's token ids).
+    """
+    from tqdm import tqdm
+
+    if not prompts or not contestants:
+        raise InvalidConfigError("nothing to benchmark: no prompts or no methods")
+    start = time.perf_counter()
+    result = BenchResult()
+    if progress:
+        print(f"bench: warming up {len(contestants)} contestant(s), then {len(prompts)} prompt(s) x {repeat} "
+              "repeat(s)", file=sys.stderr, flush=True)
+    _warm_up(contestants, prompts[0], params, render)
+    if step_timer is not None:
+        result.target_step_s = step_timer()
+    bar = tqdm(total=len(prompts) * repeat * len(contestants), desc="bench", unit="gen", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True, mininterval=0.5)
+    with bar:
+        for index, prompt in enumerate(prompts):
+            prompt_params = replace(params, seed=params.seed + index) if params.seed is not None else params
+            for rep in range(repeat):
+                reference: list[GenerationOutput] | None = None
+                for contestant in contestants:
+                    bar.set_postfix_str(f"{prompt.id} {contestant.name}", refresh=False)
+                    outputs = converse(contestant.generate, prompt, prompt_params, render)
+                    if contestant.name == BASELINE and contestant.kind == "ours":
+                        reference = outputs
+                    ref = reference if params.greedy and contestant.name != BASELINE else None
+                    _record(result, prompt, contestant, rep, outputs, ref, on_row, bar)
+                    bar.update(1)
+    result.peak_rss_mb = peak_rss_mb()
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def converse(generate: Generate, prompt: Prompt, params: SamplingParams, render: Render) -> list[GenerationOutput]:
+    """Send each user turn after the model's own previous answer (Spec-Bench's multi-turn rule)."""
+    messages: list[dict[str, str]] = []
+    outputs = []
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        out = generate(render(messages), params)
+        outputs.append(out)
+        messages.append({"role": "assistant", "content": out.text})
+    return outputs
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts); None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def _warm_up(contestants: Sequence[Contestant], prompt: Prompt, params: SamplingParams, render: Render) -> None:
+    """One short untimed generation per contestant: first-call costs (allocation, kernel
+    selection, lazy imports inside transformers) must not land on the first timed prompt."""
+    ids = render([{"role": "user", "content": prompt.turns[0]}])
+    short = replace(params, max_tokens=min(WARMUP_TOKENS, params.max_tokens))
+    for contestant in contestants:
+        contestant.generate(ids, short)
+
+
+def _record(result: BenchResult, prompt: Prompt, contestant: Contestant, rep: int,
+            outputs: list[GenerationOutput], reference: list[GenerationOutput] | None,
+            on_row: RowSink | None, bar: Any) -> None:
+    for turn, out in enumerate(outputs):
+        identical: bool | None = None
+        diff: int | None = None
+        if contestant.name == BASELINE and contestant.kind == "ours":
+            identical = True
+        elif reference is not None and turn < len(reference):
+            diff = first_difference(out.token_ids, reference[turn].token_ids)
+            identical = diff is None
+        row = make_row(prompt, turn, contestant, rep, out, identical, diff)
+        result.rows.append(row)
+        if on_row is not None:
+            on_row(row)
+        if identical is False:
+            _report_mismatch(result, row, out, reference[turn] if reference else None, contestant, bar)
+
+
+def _report_mismatch(result: BenchResult, row: dict[str, Any], out: GenerationOutput,
+                     ref: GenerationOutput | None, contestant: Contestant, bar: Any) -> None:
+    """Ours: loud, on stderr and in the summary. A peer's drift is its own numerics: a note."""
+    pos = row["first_mismatch"]
+    got = out.token_ids[pos] if pos is not None and pos < len(out.token_ids) else "<end>"
+    want = ref.token_ids[pos] if ref is not None and pos is not None and pos < len(ref.token_ids) else "<end>"
+    where = f"prompt {row['prompt_id']} turn {row['turn']} repeat {row['repeat']}"
+    if contestant.kind == "ours":
+        result.failures.append({k: row[k] for k in ("method", "prompt_id", "turn", "repeat", "first_mismatch")})
+        bar.write(f"!!! IDENTITY MISMATCH: {contestant.name} differs from none on {where} at token {pos} "
+                  f"(got {got}, none gave {want}). Greedy speculative decoding must reproduce plain "
+                  "decoding exactly: this is a bug.", file=sys.stderr)
+    else:
+        bar.write(f"note: peer {contestant.name} differs from specdecode's none on {where} at token {pos} "
+                  f"(got {got}, ours {want})", file=sys.stderr)
+
+
+def make_row(prompt: Prompt, turn: int, contestant: Contestant, rep: int, out: GenerationOutput,
+             identical: bool | None, first_mismatch: int | None) -> dict[str, Any]:
+    """One results.jsonl row. Fields a contestant cannot measure (a peer's prefill or drafts)
+    are null rather than zero, so they never pass for measured values."""
+    s = out.stats
+    ours = contestant.kind == "ours"
+    speculative = ours and contestant.method != BASELINE
+    return {
+        "prompt_id": prompt.id, "category": prompt.category, "turn": turn, "repeat": rep,
+        "method": contestant.name, "base_method": contestant.method, "k": contestant.k, "kind": contestant.kind,
+        "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+        "prefill_s": s.prefill_s if ours else None, "ttft_s": s.ttft_s if s.ttft_s > 0 else None,
+        "decode_s": s.total_s - s.ttft_s if s.ttft_s > 0 else None, "total_s": s.total_s,
+        "tokens_per_s": s.tokens_per_s,
+        "decode_tokens_per_s": s.decode_tokens_per_s if s.ttft_s > 0 else None,
+        "tpot_s": s.tpot_s if s.ttft_s > 0 else None,
+        "target_steps": s.target_steps if ours else None,
+        "drafts": s.drafts if speculative else None,
+        "draft_tokens": s.draft_tokens if speculative else None,
+        "accepted_tokens": s.accepted_tokens if speculative else None,
+        "acceptance_rate": s.acceptance_rate if speculative else None,
+        "mean_acceptance_length": s.mean_acceptance_length if ours else None,
+        "accepted_per_position": list(s.accepted_per_position) if speculative else None,
+        "drafted_per_position": list(s.drafted_per_position) if speculative else None,
+        "identical": identical, "first_mismatch": first_mismatch,
+        "finish_reason": out.finish_reason, "token_ids": list(out.token_ids), "text": out.text,
+    }

@@ -1,0 +1,255 @@
+"""``specdecode bench``: every method and the peers, side by side, on real workloads.
+
+Acceptance depends on the workload and speed on the machine, so users need one command that
+measures, for their models and prompts, which method to use and what it buys. Everything the
+command accepts is validated before any model is loaded, so a typo costs milliseconds, not the
+minutes a model load takes. Outputs go to ``--out`` (see ``specdecode.bench.report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdecode.config import DTYPES, METHODS, SamplingParams
+from specdecode.errors import InvalidConfigError
+
+DEFAULT_METHODS = "none,ngram,draft_model"
+
+EPILOG = """\
+Rows: without --sweep-k each method is one row named after it; with --sweep-k each speculative
+method is one row per K named METHOD@k=K (every row also has "method" and "k" fields).
+Speedups are geometric means over prompts of per-prompt tokens/s ratios. Under greedy decoding
+every speculative output is checked token by token against `none`; a mismatch is printed on
+stderr, listed in summary.json and summary.md, and makes the command exit with status 1.
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    prompts: list[Any]  # list[Prompt]
+    runs: list[Any]  # list[RunSpec]
+    ks: list[int]
+    params: SamplingParams
+    source: str  # "workload code,chat" or "dataset path"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="target: catalog name, local HF folder, .gguf file or hub id; with --endpoint, the "
+                        "model name sent to the server (default: %(default)s)")
+    p.add_argument("--draft", default=None,
+                   help="draft model for draft_model and for the hf_assisted peer (default: the catalog's "
+                        "pair of the default target)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma-separated methods from {', '.join(METHODS)}; none is always run as the "
+                        "reference (default: %(default)s)")
+    ks = p.add_mutually_exclusive_group()
+    ks.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=5,
+                    help="draft tokens per step for every speculative method (default: %(default)s)")
+    ks.add_argument("--sweep-k", default=None, metavar="K1,K2,...",
+                    help="run each speculative method at each K, e.g. 1,2,4,8; the advice names the best K")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
+                                        "summarization, rag, math, translation, or all")
+    src.add_argument("--dataset", type=Path,
+                     help="Spec-Bench question.jsonl: one {question_id, category, turns} object a line")
+    p.add_argument("--limit", type=int, default=None,
+                   help="use only the first N prompts of each workload / dataset category")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default; outputs are checked for identity); > 0 samples")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is SEED + i (default: %(default)s)")
+    p.add_argument("--peers", choices=("hf",), default=None,
+                   help="also run Hugging Face transformers on the same weights and dtype: the target alone, "
+                        "assistant_model with the same draft, and prompt_lookup_num_tokens=K (the largest K)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed repetitions of every prompt, interleaved A B C, A B C (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: bench-results/<timestamp>/)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
+    p.add_argument("--endpoint", default=None, metavar="URL",
+                   help="benchmark an OpenAI-compatible server at URL instead of local models "
+                        "(streaming TTFT, TPOT, tokens/s)")
+    p.add_argument("--endpoint-api", choices=("chat", "completions"), default="chat",
+                   help="with --endpoint: /v1/chat/completions or /v1/completions (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="with --endpoint: seconds a request may take at most (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="do not show the progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdecode.bench.report import MARKDOWN_FILE, RESULTS_FILE, write_outputs
+
+    plan = make_plan(args)
+    out = _out_dir(args.out)
+    summary, failures = _run_endpoint(args, plan, out) if args.endpoint else _run_local(args, plan, out)
+    write_outputs(summary, out)
+    print((out / MARKDOWN_FILE).read_text(encoding="utf-8"))
+    print(f"results: {out / RESULTS_FILE}, summary: {out / 'summary.json'}", file=sys.stderr)
+    if failures:
+        print(f"specdecode: IDENTITY CHECK FAILED: {len(failures)} speculative output(s) differed from plain "
+              f"decoding; see {out / MARKDOWN_FILE}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Every user input checked and turned into prompts, runs and sampling settings."""
+    from specdecode.bench.runner import plan_runs
+    from specdecode.bench.specbench import load_specbench
+    from specdecode.bench.workloads import limit_per_category, load_workloads, parse_workload_names
+
+    if args.repeat < 1:
+        raise InvalidConfigError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.endpoint and args.peers:
+        raise InvalidConfigError("--peers runs local models; it cannot be combined with --endpoint")
+    if args.timeout <= 0:
+        raise InvalidConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.workload is not None:
+        prompts, source = load_workloads(parse_workload_names(args.workload)), f"workload {args.workload}"
+    else:
+        prompts, source = load_specbench(args.dataset), f"dataset {args.dataset}"
+    prompts = limit_per_category(prompts, args.limit)
+    ks = _parse_ks(args.sweep_k) if args.sweep_k is not None else [args.k]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise InvalidConfigError("--methods is empty; name at least one of " + ", ".join(METHODS))
+    if "none" not in methods and not args.endpoint:
+        print("specdecode: note: adding method 'none': it is the reference for speedups and identity checks",
+              file=sys.stderr)
+    runs = plan_runs(methods, ks, sweep=args.sweep_k is not None)
+    return Plan(prompts, runs, ks, params, source)
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        ks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidConfigError(f"--sweep-k takes comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not ks:
+        raise InvalidConfigError("--sweep-k is empty; give values like 1,2,4,8")
+    return ks
+
+
+def _out_dir(out: Path | None) -> Path:
+    path = out if out is not None else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidConfigError(f"cannot create --out folder {path}: {exc.strerror}") from None
+    return path
+
+
+def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[str, Any], list[Any]]:
+    from specdecode.api import DEFAULT_DRAFTS, LLM
+    from specdecode.bench.report import RESULTS_FILE, ResultsWriter
+    from specdecode.bench.runner import our_contestants, run_benchmark, target_step_timer
+    from specdecode.bench.summary import summarize
+
+    needs_draft = any(r.method == "draft_model" for r in plan.runs)
+    draft = args.draft or (DEFAULT_DRAFTS.get(args.model) if needs_draft or args.peers else None)
+    if needs_draft and draft is None:
+        raise InvalidConfigError(f"--methods includes draft_model but no --draft was given for {args.model!r}; "
+                                 "pass --draft or drop draft_model")
+    llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    first_ids = _check_lengths(llm, plan)
+    contestants = our_contestants(llm, plan.runs)
+    peer_settings: dict[str, Any] = {}
+    if args.peers == "hf":
+        from specdecode.bench.peers import hf_contestants
+        from specdecode.models.catalog import resolve_model
+
+        draft_dir = resolve_model(draft) if draft else None
+        peers, peer_settings = hf_contestants(resolve_model(args.model), draft_dir, args.dtype, llm.tokenizer,
+                                              max(plan.ks))
+        contestants += peers
+    with ResultsWriter(out / RESULTS_FILE) as sink:
+        result = run_benchmark(contestants, plan.prompts, plan.params, llm.chat_prompt_ids, args.repeat,
+                               step_timer=target_step_timer(llm, first_ids), on_row=sink,
+                               progress=not args.no_progress)
+    meta = _meta(args, plan, model=llm.model_name, draft=draft, dtype=args.dtype)
+    summary = summarize(result.rows, meta, target_step_s=result.target_step_s, peak_rss_mb=result.peak_rss_mb,
+                        failures=result.failures, peer_settings=peer_settings)
+    summary["wall_s"] = result.wall_s
+    return summary, result.failures
+
+
+def _check_lengths(llm: Any, plan: Plan) -> list[int]:
+    """Fail before timing anything if a first turn plus its answer cannot fit in the context."""
+    cap = llm.engine.max_seq_len
+    first: list[int] = []
+    for prompt in plan.prompts:
+        ids = llm.chat_prompt_ids([{"role": "user", "content": prompt.turns[0]}])
+        if len(ids) + plan.params.max_tokens > cap:
+            fix = ("raise --max-seq-len or lower --max-tokens" if cap < llm.target.max_context
+                   else f"the model allows no more; lower --max-tokens or leave {prompt.category} out")
+            raise InvalidConfigError(
+                f"prompt {prompt.id} has {len(ids)} tokens; with --max-tokens {plan.params.max_tokens} it needs "
+                f"more than the {cap}-token context: {fix}"
+            )
+        first = first or ids
+    return first
+
+
+def _run_endpoint(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[str, Any], list[Any]]:
+    from specdecode.bench.endpoint import endpoint_contestant, endpoint_url, render_for
+    from specdecode.bench.report import RESULTS_FILE, ResultsWriter
+    from specdecode.bench.runner import run_benchmark
+    from specdecode.bench.summary import summarize
+
+    url = endpoint_url(args.endpoint, args.endpoint_api)
+    notes: dict[str, Any] = {}
+    contestant = endpoint_contestant(url, args.model, args.endpoint_api, args.timeout, notes)
+    with ResultsWriter(out / RESULTS_FILE) as sink:
+        result = run_benchmark([contestant], plan.prompts, plan.params, render_for(args.endpoint_api),
+                               args.repeat, on_row=sink, progress=not args.no_progress)
+    meta = _meta(args, plan, model=args.model, draft=None, dtype=None)
+    meta["endpoint"] = {"url": url, "api": args.endpoint_api, **notes}
+    summary = summarize(result.rows, meta, peak_rss_mb=None)
+    summary["wall_s"] = result.wall_s
+    return summary, []
+
+
+def _meta(args: argparse.Namespace, plan: Plan, *, model: str, draft: str | None, dtype: str | None) -> dict[str, Any]:
+    from specdecode.bench.summary import machine_info
+
+    return {
+        "model": model, "draft": draft, "dtype": dtype, "machine": machine_info(),
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": _command(args),
+        "settings": {
+            "methods": [r.name for r in plan.runs] if not args.endpoint else ["endpoint"],
+            "k": plan.ks if args.sweep_k is not None else plan.ks[0], "sweep_k": args.sweep_k is not None,
+            "source": plan.source, "limit": args.limit, "prompts": len(plan.prompts),
+            "categories": list(dict.fromkeys(p.category for p in plan.prompts)),
+            "max_tokens": plan.params.max_tokens, "temperature": plan.params.temperature,
+            "greedy": plan.params.greedy, "seed": args.seed, "repeat": args.repeat, "peers": args.peers,
+        },
+    }
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run, rebuilt from the parsed options."""
+    parts = ["specdecode", "bench", "--model", args.model]
+    options = (("--draft", args.draft), ("--methods", args.methods), ("--workload", args.workload),
+               ("--dataset", args.dataset), ("--limit", args.limit), ("--max-tokens", args.max_tokens),
+               ("--temperature", args.temperature), ("--seed", args.seed), ("--peers", args.peers),
+               ("--repeat", args.repeat), ("--dtype", args.dtype), ("--max-seq-len", args.max_seq_len),
+               ("--endpoint", args.endpoint))
+    for flag, value in options:
+        if value is not None:
+            parts += [flag, str(value)]
+    if args.endpoint:
+        parts += ["--endpoint-api", args.endpoint_api, "--timeout", f"{args.timeout:g}"]
+    parts += ["--sweep-k", args.sweep_k] if args.sweep_k is not None else ["-k", str(args.k)]
+    return shlex.join(parts)
