@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from specdecode.config import ModelSpec, SamplingParams, SpecConfig
+from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, ModelSpec, SamplingParams, SpecConfig
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
@@ -38,8 +38,18 @@ class LLM:
         ngram_min: int = 1,
         ngram_max: int = 4,
         progress: bool = True,
+        adaptive: bool = True,
+        draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
+        draft_quantize: str | None = None,
     ) -> None:
+        """``adaptive``: the draft length follows each request's acceptance, up to
+        ``num_speculative_tokens`` (False: always exactly that many). ``draft_confidence``: the
+        draft model stops drafting after a token it gives less than this probability.
+        ``draft_quantize="int8"``: int8 draft weights (cheaper drafts; exactness unaffected)."""
         self.spec = SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max)
+        if not 0.0 <= draft_confidence < 1.0:
+            raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
+        self.adaptive, self.draft_confidence = adaptive, draft_confidence
         self.model_spec = ModelSpec(model, dtype, max_seq_len)
         if draft is None and method == "draft_model":
             draft = DEFAULT_DRAFTS.get(model)
@@ -53,7 +63,7 @@ class LLM:
         if draft is not None:
             # The draft's numerics never affect exactness, so it takes the fast single-row path.
             self.draft_model = Decoder.from_dir(resolve_model(draft, progress=progress), dtype,
-                                                batch_invariant=False)
+                                                batch_invariant=False, quantize=draft_quantize)
             if self.draft_model.config.vocab_size != self.target.config.vocab_size:
                 raise VocabularyMismatchError(
                     f"draft {draft!r} has a vocabulary of {self.draft_model.config.vocab_size} tokens "
@@ -76,7 +86,8 @@ class LLM:
                 if self.draft_model is None:
                     raise InvalidConfigError("method 'draft_model' needs a draft model: pass draft=")
                 self._drafters[method] = DraftModelDrafter(
-                    self.draft_model, self.target.config.vocab_size, self.engine.max_seq_len
+                    self.draft_model, self.target.config.vocab_size, self.engine.max_seq_len,
+                    self.draft_confidence,
                 )
         return self._drafters[method]
 
@@ -112,7 +123,7 @@ class LLM:
         """Yield text as it is accepted; the pieces join to ``generate``'s text."""
         ids = self.tokenizer.encode(prompt)
         k = num_speculative_tokens or self.spec.num_speculative_tokens
-        for event in self.engine.stream(ids, params or SamplingParams(), self.drafter(method), k):
+        for event in self.engine.stream(ids, params or SamplingParams(), self.drafter(method), k, self.adaptive):
             if event.text:
                 yield event.text
 
@@ -124,4 +135,4 @@ class LLM:
     def _run(self, ids: list[int], params: SamplingParams | None, method: str | None,
              k: int | None) -> GenerationOutput:
         k = k or self.spec.num_speculative_tokens
-        return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k)
+        return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k, self.adaptive)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.config import DTYPES, METHODS, SamplingParams
+from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,ngram,draft_model"
@@ -56,6 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="draft tokens per step for every speculative method (default: %(default)s)")
     ks.add_argument("--sweep-k", default=None, metavar="K1,K2,...",
                     help="run each speculative method at each K, e.g. 1,2,4,8; the advice names the best K")
+    p.add_argument("--k-schedule", choices=("adaptive", "fixed", "both"), default="adaptive",
+                   help="adaptive: the draft length follows acceptance, up to K; fixed: always K; both: "
+                        "each method twice, fixed-K rows named METHOD+fixed (default: %(default)s)")
+    p.add_argument("--draft-quantize", choices=("int8",), default=None,
+                   help="int8 draft model weights (cheaper drafts; output unchanged)")
+    p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+                   help="draft model stops drafting after a token it gives less than this probability "
+                        "(default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
                                         "summarization, rag, math, translation, or all")
@@ -128,7 +136,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if "none" not in methods and not args.endpoint:
         print("specdecode: note: adding method 'none': it is the reference for speedups and identity checks",
               file=sys.stderr)
-    runs = plan_runs(methods, ks, sweep=args.sweep_k is not None)
+    schedules = ("adaptive", "fixed") if args.k_schedule == "both" else (args.k_schedule,)
+    runs = plan_runs(methods, ks, sweep=args.sweep_k is not None, schedules=schedules)
     return Plan(prompts, runs, ks, params, source)
 
 
@@ -162,7 +171,8 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
     if needs_draft and draft is None:
         raise InvalidConfigError(f"--methods includes draft_model but no --draft was given for {args.model!r}; "
                                  "pass --draft or drop draft_model")
-    llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
+              draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize)
     first_ids = _check_lengths(llm, plan)
     contestants = our_contestants(llm, plan.runs)
     peer_settings: dict[str, Any] = {}
@@ -234,6 +244,8 @@ def _meta(args: argparse.Namespace, plan: Plan, *, model: str, draft: str | None
             "categories": list(dict.fromkeys(p.category for p in plan.prompts)),
             "max_tokens": plan.params.max_tokens, "temperature": plan.params.temperature,
             "greedy": plan.params.greedy, "seed": args.seed, "repeat": args.repeat, "peers": args.peers,
+            "k_schedule": getattr(args, "k_schedule", None), "draft_quantize": getattr(args, "draft_quantize", None),
+            "draft_confidence": getattr(args, "draft_confidence", None),
         },
     }
 
@@ -245,11 +257,12 @@ def _command(args: argparse.Namespace) -> str:
                ("--dataset", args.dataset), ("--limit", args.limit), ("--max-tokens", args.max_tokens),
                ("--temperature", args.temperature), ("--seed", args.seed), ("--peers", args.peers),
                ("--repeat", args.repeat), ("--dtype", args.dtype), ("--max-seq-len", args.max_seq_len),
-               ("--endpoint", args.endpoint))
+               ("--endpoint", args.endpoint), ("--draft-quantize", args.draft_quantize))
     for flag, value in options:
         if value is not None:
             parts += [flag, str(value)]
     if args.endpoint:
         parts += ["--endpoint-api", args.endpoint_api, "--timeout", f"{args.timeout:g}"]
     parts += ["--sweep-k", args.sweep_k] if args.sweep_k is not None else ["-k", str(args.k)]
+    parts += ["--k-schedule", args.k_schedule, "--draft-confidence", f"{args.draft_confidence:g}"]
     return shlex.join(parts)

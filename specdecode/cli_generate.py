@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.config import DTYPES, METHODS, SamplingParams
+from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
 
@@ -37,6 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="always draft exactly K tokens (default: adapt the draft length to acceptance, "
+                        "up to K)")
+    p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+                   help="draft model: stop drafting after a token whose draft probability is below "
+                        "this (default: %(default)s)")
+    p.add_argument("--draft-quantize", choices=("int8",), default=None,
+                   help="int8 draft weights: cheaper drafts; the output stays exactly the target's")
     p.add_argument("--compare", action="store_true",
                    help="also run --method none on the same input and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
@@ -50,16 +58,18 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
-              dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json)
+              dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json,
+              adaptive=not args.fixed_k, draft_quantize=args.draft_quantize,
+              draft_confidence=args.draft_confidence)
     ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
     if not args.json and not args.compare:
-        for event in llm.engine.stream(ids, params, llm.drafter(), args.k):
+        for event in llm.engine.stream(ids, params, llm.drafter(), args.k, llm.adaptive):
             print(event.text, end="", flush=True)
             out = event.output
         print()
         _print_stats(out)
         return 0
-    out = llm.engine.generate(ids, params, llm.drafter(), args.k)
+    out = llm.engine.generate(ids, params, llm.drafter(), args.k, llm.adaptive)
     base = llm.engine.generate(ids, params, None, args.k) if args.compare else None
     if args.json:
         print(json.dumps(_report(out, base)))

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from specdecode.config import SamplingParams
+from specdecode.draft_length import DraftLength
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, SequenceState
 from specdecode.errors import PromptTooLongError
 from specdecode.models.decoder import Decoder
@@ -67,14 +68,20 @@ class Engine:
         params: SamplingParams,
         drafter: Drafter | None,
         k: int,
+        adaptive: bool = True,
     ) -> Iterator[StreamEvent]:
-        """Generate for one prompt, yielding each step's newly final text."""
+        """Generate for one prompt, yielding each step's newly final text.
+
+        ``k`` is the most tokens drafted per step; with ``adaptive`` the draft length follows the
+        request's acceptance (see ``draft_length.py``), otherwise it is always ``k``.
+        """
         self.check_prompt(prompt_ids)
         start = time.perf_counter()
         stats = RequestStats(prompt_tokens=len(prompt_ids))
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen)
+        draft_length = DraftLength(k, adaptive)
         stops = StopChecker(self.tokenizer, params)
         self.cache.reset()
 
@@ -91,7 +98,7 @@ class Engine:
             if len(seq.token_ids) >= self.max_seq_len:
                 stops.mark_length()
                 break
-            budget = min(k, params.max_tokens - seq.num_generated - 1,
+            budget = min(draft_length.k, params.max_tokens - seq.num_generated - 1,
                          self.max_seq_len - len(seq.token_ids))
             proposal = drafter.propose(seq, budget) if drafter and budget > 0 else EMPTY_PROPOSAL
             inputs = torch.cat([torch.tensor(seq.token_ids[-1:]), proposal.tokens])
@@ -105,6 +112,7 @@ class Engine:
             self.cache.trim(proposal.k - result.num_accepted)
             if proposal.k:
                 stats.record_draft(proposal.k, result.num_accepted)
+                draft_length.update(proposal.k, result.num_accepted)
             new = stops.push(seq, result.tokens)
             if drafter is not None and not stops.finished:
                 drafter.accept(seq, result.num_accepted)
@@ -123,8 +131,8 @@ class Engine:
         yield StreamEvent(stops.take_text(final=True), [], output)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None,
-                 k: int) -> GenerationOutput:
-        for event in self.stream(prompt_ids, params, drafter, k):
+                 k: int, adaptive: bool = True) -> GenerationOutput:
+        for event in self.stream(prompt_ids, params, drafter, k, adaptive):
             if event.output is not None:
                 return event.output
         raise RuntimeError("engine stream ended without an output")  # unreachable

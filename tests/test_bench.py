@@ -146,6 +146,19 @@ def test_sweep_k_rows_and_advice(tiny_pair, tmp_path):
     assert per["best_k"] in (1, 3) and set(per["by_k"]) == {"1", "3"}
 
 
+def test_k_schedule_both_adds_fixed_rows(tiny_pair, tmp_path):
+    code, summary, rows = bench(tmp_path, *pair_args(tiny_pair), "--methods", "draft_model", "--workload", "code",
+                                "--limit", "1", "--max-tokens", "10", "-k", "4", "--k-schedule", "both",
+                                "--draft-quantize", "int8")
+    assert code == 0
+    assert list(summary["methods"]) == ["none", "draft_model", "draft_model+fixed"]
+    assert all(r["identical"] for r in rows if r["method"] != "none")
+    fixed = [r for r in rows if r["method"] == "draft_model+fixed"]
+    # fixed K: every draft has 4 tokens except where max_tokens cuts the last steps short
+    assert fixed and all(r["drafted_per_position"][3] >= r["drafts"] - 2 for r in fixed)
+    assert summary["settings"]["k_schedule"] == "both" and summary["settings"]["draft_quantize"] == "int8"
+
+
 def test_multi_turn_sends_the_models_own_answer(tiny_pair, tmp_path):
     path = tmp_path / "question.jsonl"
     path.write_text(json.dumps({"question_id": 7, "category": "writing", "turns": ["Say hi.", "Again."]}) + "\n")

@@ -43,9 +43,10 @@ WARMUP_TOKENS = 8
 class RunSpec:
     """One row of the report: a method at one K (``k`` is None for ``none``)."""
 
-    name: str  # "draft_model", or "draft_model@k=4" under --sweep-k
+    name: str  # "draft_model", "draft_model@k=4" under --sweep-k, "...+fixed" for fixed K
     method: str
     k: int | None
+    adaptive: bool = True  # the draft length follows acceptance, up to k (see draft_length.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +67,13 @@ class BenchResult:
     wall_s: float = 0.0
 
 
-def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool) -> list[RunSpec]:
+def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool,
+              schedules: Sequence[str] = ("adaptive",)) -> list[RunSpec]:
     """``none`` first (it is every comparison's reference), then each method at each K.
 
     Under ``--sweep-k`` every speculative method appears once per K, named ``METHOD@k=K``; without
     it the plain method name is used. Every row also carries ``method`` and ``k`` fields.
+    ``schedules`` holds "adaptive" and/or "fixed"; with both, fixed-K rows get a ``+fixed`` suffix.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -83,7 +86,10 @@ def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool) -> list[Ru
         if method == BASELINE:
             continue
         for k in dict.fromkeys(ks):
-            runs.append(RunSpec(f"{method}@k={k}" if sweep else method, method, k))
+            name = f"{method}@k={k}" if sweep else method
+            for schedule in schedules:
+                suffix = "+fixed" if schedule == "fixed" and len(schedules) > 1 else ""
+                runs.append(RunSpec(name + suffix, method, k, adaptive=schedule == "adaptive"))
     return runs
 
 
@@ -94,8 +100,9 @@ def our_contestants(llm: LLM, runs: Sequence[RunSpec]) -> list[Contestant]:
         drafter = llm.drafter(run.method)
         k = run.k or 1
 
-        def generate(ids: list[int], params: SamplingParams, drafter=drafter, k=k) -> GenerationOutput:
-            return llm.engine.generate(ids, params, drafter, k)
+        def generate(ids: list[int], params: SamplingParams, drafter=drafter, k=k,
+                     adaptive=run.adaptive) -> GenerationOutput:
+            return llm.engine.generate(ids, params, drafter, k, adaptive)
 
         contestants.append(Contestant(run.name, run.method, run.k, "ours", generate))
     return contestants

@@ -1,5 +1,9 @@
 """Draft-model drafting: a small model of the same vocabulary proposes K tokens autoregressively.
 
+Drafting stops early once the draft is unsure: a draft token whose probability under the draft
+is below ``confidence`` is still proposed (verifying it costs almost nothing), but no further
+tokens are drafted after it, since they would rarely survive and each costs a draft forward.
+
 The draft keeps its own KV cache. It caches every committed token it has been fed; at each
 ``propose`` it first feeds the committed tokens it has not seen (the last token, and after a fully
 accepted draft also the last draft token) in one forward, then drafts one token per forward.
@@ -21,13 +25,14 @@ from specdecode.sampling import greedy, logits_to_probs, sample
 class DraftModelDrafter:
     name: ClassVar[str] = "draft_model"
 
-    def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int) -> None:
+    def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int, confidence: float = 0.0) -> None:
         if draft.config.vocab_size != target_vocab_size:
             raise VocabularyMismatchError(
                 f"draft vocabulary has {draft.config.vocab_size} tokens but the target has "
                 f"{target_vocab_size}; the draft model must share the target's tokenizer"
             )
         self.model = draft
+        self.confidence = confidence
         self.cache = draft.new_cache(capacity)
         self._cached = 0  # committed tokens held in the draft cache
 
@@ -47,13 +52,16 @@ class DraftModelDrafter:
         for i in range(k):
             if params.greedy:
                 token = greedy(logits)
+                sure = self.confidence <= 0 or float(torch.softmax(logits[0], -1)[token]) >= self.confidence
             else:
                 p = logits_to_probs(logits, params)
                 token = sample(p, seq.generator)
                 probs.append(p[0])
+                sure = float(p[0, token]) >= self.confidence
             tokens.append(token)
-            if i + 1 < k:
-                logits = self.model.forward(token, self.cache)
+            if i + 1 == k or not sure:
+                break
+            logits = self.model.forward(token, self.cache)
         drafted = torch.cat(tokens)
         return DraftProposal(drafted, torch.stack(probs) if probs else None)
 

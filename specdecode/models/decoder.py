@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from specdecode.cache import KVCache
-from specdecode.models import kernels
+from specdecode.errors import InvalidConfigError
+from specdecode.models import kernels, quant
 from specdecode.models.config import ModelConfig
 from specdecode.models.packed import load_packed
 
@@ -28,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass(slots=True)
 class LayerWeights:
     in_norm: Tensor  # [D]
-    qkv: Tensor  # [(H + 2*Hkv) * d, D]
+    qkv: Tensor  # [(H + 2*Hkv) * d, D]; the four projections may be prepacked int8 (quant.py)
     qkv_bias: Tensor | None  # [(H + 2*Hkv) * d]
     o: Tensor  # [D, H*d]
     post_norm: Tensor  # [D]
@@ -46,9 +47,11 @@ class Decoder:
         dtype: torch.dtype,
         batch_invariant: bool = True,
         native: bool | None = None,
+        quantize: str | None = None,
     ) -> None:
         """``packed``: compute-layout tensors as made by ``packed.pack``; ``native``: use the
-        compiled kernel (None = when available), False forces the portable torch path."""
+        compiled kernel (None = when available), False forces the portable torch path;
+        ``quantize="int8"``: int8 linear weights (for draft models; see ``quant.py``)."""
         self.config = config
         self.dtype = dtype
         self._linear = _pick_linear(dtype, batch_invariant, native)
@@ -59,6 +62,8 @@ class Decoder:
             LayerWeights(**{f: packed.get(f"layers.{i}.{f}") for f in LayerWeights.__slots__})
             for i in range(config.num_layers)
         ]
+        if quantize is not None:
+            self._quantize(quantize)
         cos, sin = kernels.rope_tables(
             config.head_dim, config.rope_theta, config.max_position_embeddings + kernels.KEY_BLOCK
         )
@@ -66,12 +71,27 @@ class Decoder:
 
     @classmethod
     def from_dir(
-        cls, path: Path | str, dtype: str = "float32", batch_invariant: bool = True, native: bool | None = None
+        cls,
+        path: Path | str,
+        dtype: str = "float32",
+        batch_invariant: bool = True,
+        native: bool | None = None,
+        quantize: str | None = None,
     ) -> "Decoder":
         """Load an HF-format folder (config.json + *.safetensors) through the packed-layout cache."""
         config = ModelConfig.from_dir(Path(path))
         torch_dtype = DTYPES[dtype]
-        return cls(config, load_packed(Path(path), config, torch_dtype), torch_dtype, batch_invariant, native)
+        packed = load_packed(Path(path), config, torch_dtype)
+        return cls(config, packed, torch_dtype, batch_invariant, native, quantize)
+
+    def _quantize(self, mode: str) -> None:
+        if mode not in quant.QUANTIZE_MODES or self.dtype != torch.float32:
+            raise InvalidConfigError(f"quantize must be one of {quant.QUANTIZE_MODES} with float32, got {mode!r}")
+        self.lm_head = quant.pack_int8(self.lm_head)
+        for w in self.layers:
+            w.qkv, w.o = quant.pack_int8(w.qkv), quant.pack_int8(w.o)
+            w.gate_up, w.down = quant.pack_int8(w.gate_up), quant.pack_int8(w.down)
+        self._linear = quant.linear_int8
 
     def new_cache(self, capacity: int) -> KVCache:
         """A cache for ``capacity`` tokens, rounded up to whole attention key blocks."""

@@ -1,0 +1,90 @@
+"""Adaptive draft length, early-stopping drafts and int8 drafts never change the output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.draft_length import DraftLength
+from specdecode.errors import InvalidConfigError
+from specdecode.models.decoder import Decoder
+from specdecode.models.quant import linear_int8, pack_int8
+
+PROMPTS = ["def f(x): return x + 1\ndef g(", "class A:\n    def __init__(self", "abc abc abc abd"]
+
+
+def test_draft_length_schedule():
+    dl = DraftLength(6)
+    assert dl.k == 6
+    dl.update(6, 2)
+    assert dl.k == 5
+    for _ in range(10):
+        dl.update(dl.k, 0)
+    assert dl.k == 1
+    dl.update(1, 1)
+    assert dl.k == 3
+    dl.update(3, 3)
+    dl.update(5, 5)
+    assert dl.k == 6  # capped at k_max
+    fixed = DraftLength(4, adaptive=False)
+    fixed.update(4, 0)
+    assert fixed.k == 4
+
+
+@pytest.fixture(scope="module")
+def tiny_llms(tiny_pair):
+    target, draft = tiny_pair
+
+    def make(**options) -> LLM:
+        return LLM(model=str(target), draft=str(draft), max_seq_len=256, progress=False, **options)
+
+    return {"default": make(), "fixed": make(adaptive=False), "confident": make(draft_confidence=0.6),
+            "int8": make(draft_quantize="int8")}
+
+
+@pytest.mark.parametrize("variant", ["fixed", "confident", "int8"])
+def test_variants_keep_greedy_identity(tiny_llms, variant):
+    llm, ref = tiny_llms[variant], tiny_llms["default"]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for prompt in PROMPTS:
+        plain = ref.generate(prompt, params, method="none")[0].token_ids
+        for method in ("ngram", "draft_model"):
+            out = llm.generate(prompt, params, method=method, num_speculative_tokens=6)[0]
+            assert out.token_ids == plain, (variant, method, prompt)
+
+
+def test_confidence_threshold_shortens_drafts(tiny_llms):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    per_draft = {}
+    for name in ("fixed", "confident"):
+        stats = [tiny_llms[name].generate(p, params, method="draft_model", num_speculative_tokens=6)[0].stats
+                 for p in PROMPTS]
+        per_draft[name] = sum(s.draft_tokens for s in stats) / sum(s.drafts for s in stats)
+    assert per_draft["fixed"] == 6 or per_draft["fixed"] > per_draft["confident"]
+    assert per_draft["confident"] < 6
+
+
+def test_int8_linear_is_close_to_float():
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 32, generator=gen), torch.randn(3, 32, generator=gen)
+    got, exact = linear_int8(x, pack_int8(w)), x @ w.T
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_int8_draft_agrees_mostly_with_float_draft(tiny_pair):
+    _, draft = tiny_pair
+    f32, q8 = Decoder.from_dir(draft, batch_invariant=False), Decoder.from_dir(draft, batch_invariant=False,
+                                                                              quantize="int8")
+    tokens = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1))
+    a = f32.forward(tokens, f32.new_cache(64)).argmax(-1)
+    b = q8.forward(tokens, q8.new_cache(64)).argmax(-1)
+    assert (a == b).float().mean() > 0.8
+
+
+def test_bad_draft_options(tiny_pair):
+    target, draft = tiny_pair
+    with pytest.raises(InvalidConfigError):
+        LLM(model=str(target), draft=str(draft), draft_confidence=1.5, progress=False)
+    with pytest.raises(InvalidConfigError):
+        LLM(model=str(target), draft=str(draft), draft_quantize="int4", progress=False)
