@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 
 from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, ModelSpec, SamplingParams, SpecConfig
 from specdecode.drafters.base import Drafter
+from specdecode.drafters.combined import CombinedDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine, GenerationOutput
@@ -51,10 +52,10 @@ class LLM:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
         self.adaptive, self.draft_confidence = adaptive, draft_confidence
         self.model_spec = ModelSpec(model, dtype, max_seq_len)
-        if draft is None and method == "draft_model":
+        if draft is None and method in ("draft_model", "combined"):
             draft = DEFAULT_DRAFTS.get(model)
             if draft is None:
-                raise InvalidConfigError(f"method 'draft_model' needs a draft model for {model!r}: pass draft=")
+                raise InvalidConfigError(f"method {method!r} needs a draft model for {model!r}: pass draft=")
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
         self.target = Decoder.from_dir(path, dtype)
@@ -82,13 +83,17 @@ class LLM:
         if method not in self._drafters:
             if method == "ngram":
                 self._drafters[method] = NgramDrafter(self.spec.ngram_min, self.spec.ngram_max)
-            else:  # draft_model
-                if self.draft_model is None:
-                    raise InvalidConfigError("method 'draft_model' needs a draft model: pass draft=")
+            elif self.draft_model is None:
+                raise InvalidConfigError(f"method {method!r} needs a draft model: pass draft=")
+            elif method == "draft_model":
                 self._drafters[method] = DraftModelDrafter(
                     self.draft_model, self.target.config.vocab_size, self.engine.max_seq_len,
                     self.draft_confidence,
                 )
+            else:  # combined: shares nothing with the draft_model drafter, it has its own cache
+                draft = DraftModelDrafter(self.draft_model, self.target.config.vocab_size,
+                                          self.engine.max_seq_len, self.draft_confidence)
+                self._drafters[method] = CombinedDrafter(draft, ngram_max=max(3, self.spec.ngram_max))
         return self._drafters[method]
 
     def generate(

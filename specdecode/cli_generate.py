@@ -16,11 +16,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target: a catalog name (see `specdecode models list`), a local HF folder, "
                         "a .gguf file or a hub id (default: %(default)s)")
     p.add_argument("--draft", default=None,
-                   help="draft model for --method draft_model (same vocabulary as the target); "
+                   help="draft model for --method draft_model/combined (same vocabulary as the target); "
                         "defaults to the catalog's pair for the default target")
     p.add_argument("--method", choices=METHODS, default="none",
                    help="none = plain decoding; ngram = prompt lookup; draft_model = a small model "
-                        "drafts (default: %(default)s)")
+                        "drafts; combined = n-gram when the context matches, else the draft model "
+                        "(default: %(default)s)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, dest="k",
                    help="draft tokens proposed per step (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)

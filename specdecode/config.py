@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 
-METHODS = ("none", "ngram", "draft_model")
+METHODS = ("none", "ngram", "draft_model", "combined")
 DEFAULT_DRAFT_CONFIDENCE = 0.0  # set from measurements; 0 = never stop drafting early
 DTYPES = ("float32", "bfloat16")
 

@@ -36,7 +36,7 @@ def _greedy(n: int = 40) -> SamplingParams:
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "combined"])
 def test_greedy_identity(llm, method, k):
     drafted = 0
     for seed in SEEDS:
@@ -66,7 +66,7 @@ def test_perfect_draft_accepts_everything(self_draft_llm, k):
     assert out.stats.target_steps < plain.stats.target_steps
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined"])
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])
 def test_max_tokens_is_exact(llm, method, max_tokens):
     out = llm.generate(_prompt(3), _greedy(max_tokens), method=method, num_speculative_tokens=4)[0]
@@ -75,7 +75,7 @@ def test_max_tokens_is_exact(llm, method, max_tokens):
     assert out.stats.completion_tokens == max_tokens
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined"])
 def test_stream_equals_generate(llm, method):
     params = SamplingParams(max_tokens=30, stop=("x +",), ignore_eos=True)
     for seed in SEEDS:
@@ -104,7 +104,7 @@ def test_eos_stops_generation(tiny_pair):
     head[EOS_ID, 0] = 1e4
     llm.target.lm_head = head
     llm.target.norm = torch.ones_like(llm.target.norm)
-    for method in ("none", "draft_model", "ngram"):
+    for method in ("none", "draft_model", "ngram", "combined"):
         out = llm.generate("abc", SamplingParams(max_tokens=20), method=method)[0]
         assert out.finish_reason == "stop", method
         assert out.token_ids[-1] == EOS_ID
@@ -118,3 +118,27 @@ def test_bfloat16_greedy_identity(tiny_pair):
         for method in ("ngram", "draft_model"):
             spec = llm.generate(_prompt(seed), _greedy(), method=method, num_speculative_tokens=4)[0]
             assert spec.token_ids == plain.token_ids, (method, seed)
+
+
+def test_combined_uses_both_drafters(llm, monkeypatch):
+    """A repeated prompt gives n-gram drafts at first; where nothing matches the draft model drafts."""
+    drafter = llm.drafter("combined")
+    used = {"ngram": 0, "model": 0}
+    ngram_propose, model_propose = drafter.ngram.propose, drafter.draft.propose
+
+    def ngram_spy(seq, k):
+        proposal = ngram_propose(seq, k)
+        used["ngram"] += proposal.k > 0
+        return proposal
+
+    def model_spy(seq, k):
+        used["model"] += 1
+        return model_propose(seq, k)
+
+    monkeypatch.setattr(drafter.ngram, "propose", ngram_spy)
+    monkeypatch.setattr(drafter.draft, "propose", model_spy)
+    repeated = "def add(a, b):\n    return a + b\n" * 3
+    plain = llm.generate(repeated, _greedy(30), method="none")[0]
+    out = llm.generate(repeated, _greedy(30), method="combined")[0]
+    assert out.token_ids == plain.token_ids
+    assert used["ngram"] > 0 and used["model"] > 0, used
