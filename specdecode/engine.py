@@ -17,14 +17,14 @@ from torch import Tensor
 
 from specdecode.config import SamplingParams
 from specdecode.draft_length import DraftLength
-from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, SequenceState
+from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
 from specdecode.errors import PromptTooLongError
 from specdecode.models.decoder import Decoder
 from specdecode.sampling import greedy, logits_to_probs, sample
 from specdecode.stats import RequestStats
 from specdecode.stops import StopChecker
 from specdecode.tokenizer import Tokenizer
-from specdecode.verify import verify_greedy, verify_rejection
+from specdecode.verify import VerifyResult, verify_greedy, verify_rejection
 
 
 @dataclass(slots=True)
@@ -101,15 +101,8 @@ class Engine:
             budget = min(draft_length.k, params.max_tokens - seq.num_generated - 1,
                          self.max_seq_len - len(seq.token_ids))
             proposal = drafter.propose(seq, budget) if drafter and budget > 0 else EMPTY_PROPOSAL
-            inputs = torch.cat([torch.tensor(seq.token_ids[-1:]), proposal.tokens])
-            logits = self.target.forward(inputs, self.cache)  # [K+1, V]
+            result = self._verify(seq, proposal)
             stats.target_steps += 1
-            if params.greedy:
-                result = verify_greedy(proposal.tokens, logits)
-            else:
-                probs = logits_to_probs(logits, params)
-                result = verify_rejection(proposal.tokens, proposal.probs, probs, gen)
-            self.cache.trim(proposal.k - result.num_accepted)
             if proposal.k:
                 stats.record_draft(proposal.k, result.num_accepted)
                 draft_length.update(proposal.k, result.num_accepted)
@@ -136,6 +129,19 @@ class Engine:
             if event.output is not None:
                 return event.output
         raise RuntimeError("engine stream ended without an output")  # unreachable
+
+    def _verify(self, seq: SequenceState, proposal: DraftProposal) -> VerifyResult:
+        """Score the last committed token plus the drafts in one target forward, keep the valid
+        prefix and one more token, and trim the rejected drafts from the cache."""
+        inputs = torch.cat([torch.tensor(seq.token_ids[-1:]), proposal.tokens])
+        logits = self.target.forward(inputs, self.cache)  # [K+1, V]
+        if seq.params.greedy:
+            result = verify_greedy(proposal.tokens, logits)
+        else:
+            probs = logits_to_probs(logits, seq.params)
+            result = verify_rejection(proposal.tokens, proposal.probs, probs, seq.generator)
+        self.cache.trim(proposal.k - result.num_accepted)
+        return result
 
     @staticmethod
     def _pick(logits: Tensor, seq: SequenceState) -> int:
