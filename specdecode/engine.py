@@ -100,15 +100,21 @@ class Engine:
                 break
             budget = min(draft_length.k, params.max_tokens - seq.num_generated - 1,
                          self.max_seq_len - len(seq.token_ids))
+            t0 = time.perf_counter()
             proposal = drafter.propose(seq, budget) if drafter and budget > 0 else EMPTY_PROPOSAL
+            t1 = time.perf_counter()
             result = self._verify(seq, proposal)
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
             stats.target_steps += 1
             if proposal.k:
                 stats.record_draft(proposal.k, result.num_accepted)
                 draft_length.update(proposal.k, result.num_accepted)
             new = stops.push(seq, result.tokens)
             if drafter is not None and not stops.finished:
+                t0 = time.perf_counter()
                 drafter.accept(seq, result.num_accepted)
+                stats.draft_s += time.perf_counter() - t0
             yield StreamEvent(stops.take_text(), new)
 
         stats.completion_tokens = seq.num_generated

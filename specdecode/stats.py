@@ -23,6 +23,8 @@ class RequestStats:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    draft_s: float = 0.0  # time inside the drafter's propose/accept
+    verify_s: float = 0.0  # time in target forwards after prefill (verify or plain steps)
 
     def record_draft(self, k: int, accepted: int) -> None:
         self.drafts += 1

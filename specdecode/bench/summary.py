@@ -91,7 +91,19 @@ def _aggregate(rows: Sequence[Row], target_step_s: float | None) -> dict[str, An
         limit = tau / target_step_s if target_step_s else None
         entry["limit_tokens_per_s"] = limit
         entry["efficiency"] = entry["decode_tokens_per_s"] / limit if limit and entry["decode_tokens_per_s"] else None
+        entry["time_split"] = _time_split(rows, total)
     return entry
+
+
+def _time_split(rows: Sequence[Row], total: float) -> dict[str, float] | None:
+    """Where our engine's wall time went: prefill, drafting, target verify steps, the rest
+    (sampling, verification rules, detokenizing, Python), as fractions of the total."""
+    if total <= 0:
+        return None
+    parts = {name: sum(r.get(f"{name}_s") or 0.0 for r in rows) for name in ("prefill", "draft", "verify")}
+    split = {name: value / total for name, value in parts.items()}
+    split["other"] = max(0.0, 1.0 - sum(split.values()))
+    return split
 
 
 def _acceptance(rows: Sequence[Row]) -> dict[str, Any]:
