@@ -182,7 +182,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
 
         draft_dir = resolve_model(draft) if draft else None
         peers, peer_settings = hf_contestants(resolve_model(args.model), draft_dir, args.dtype, llm.tokenizer,
-                                              max(plan.ks))
+                                              max(plan.ks), share=(llm.target, llm.draft_model))
         contestants += peers
     with ResultsWriter(out / RESULTS_FILE) as sink:
         result = run_benchmark(contestants, plan.prompts, plan.params, llm.chat_prompt_ids, args.repeat,

@@ -409,3 +409,20 @@ def test_bench_help_names_every_flag(capsys):
     for flag in ("--model", "--draft", "--methods", "-k", "--sweep-k", "--workload", "--dataset", "--limit",
                  "--max-tokens", "--temperature", "--peers", "--repeat", "--out", "--endpoint"):
         assert flag in text, flag
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied and untied embeddings
+def test_hf_peer_shares_our_weights(tiny_models, arch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.bench.peers import _shared_model
+    from specdecode.models.decoder import Decoder
+
+    ours = Decoder.from_dir(tiny_models[arch])
+    shared = _shared_model(tiny_models[arch], ours)
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32)
+    assert shared.model.embed_tokens.weight.data_ptr() == ours.embed.data_ptr()  # no second copy
+    ids = torch.arange(12)[None] % ours.config.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(shared(ids).logits, loaded(ids).logits, atol=1e-5, rtol=1e-5)

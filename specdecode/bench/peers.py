@@ -32,18 +32,20 @@ class PeerUnavailableError(SpecDecodeError):
 
 
 def hf_contestants(target_dir: Path, draft_dir: Path | None, dtype: str, tokenizer: Tokenizer,
-                   k: int) -> tuple[list[Contestant], dict[str, dict[str, Any]]]:
+                   k: int, share: tuple[Any, Any] = (None, None)) -> tuple[list[Contestant], dict[str, dict[str, Any]]]:
     """The HF contestants and, per peer, the settings it ran with (reported in summary.json).
 
     Without a draft model ``hf_assisted`` is left out (there is nothing to assist with).
+    ``share`` holds our loaded target and draft decoders: where given, the HF models use their
+    weight tensors instead of loading a second copy (see ``_load``).
     """
     torch_dtype = _torch_dtype(dtype)
     eos = sorted(tokenizer.eos_token_ids)
-    target = _load(target_dir, torch_dtype, eos)
+    target = _load(target_dir, torch_dtype, eos, share[0])
     contestants = [Contestant("hf_target", "none", None, "peer", _generator(target, tokenizer, eos, {}))]
     settings: dict[str, dict[str, Any]] = {"hf_target": {"library": _version()}}
     if draft_dir is not None:
-        draft = _load(draft_dir, torch_dtype, eos)
+        draft = _load(draft_dir, torch_dtype, eos, share[1])
         contestants.append(Contestant("hf_assisted", "draft_model", None, "peer",
                                       _generator(target, tokenizer, eos, {"assistant_model": draft})))
         settings["hf_assisted"] = {"library": _version(), **_assistant_settings(draft)}
@@ -77,16 +79,25 @@ def _version() -> str:
     return f"transformers {transformers.__version__}"
 
 
-def _load(path: Path, torch_dtype: Any, eos: list[int]) -> Any:
+def _load(path: Path, torch_dtype: Any, eos: list[int], share: Any = None) -> Any:
     """Load an HF folder and give it a neutral generation config: a model folder may carry
     sampling defaults or a repetition penalty that our engine does not apply, which would make the
-    comparison one of decoding rules instead of engines."""
+    comparison one of decoding rules instead of engines.
+
+    With ``share`` (our Decoder of the same folder), the HF model's parameters are views of our
+    tensors: the same bytes, no second copy. Two copies of both models (about 19 GB in fp32 for
+    the default pair) leave this 24 GiB machine paging weights in and out between contestants,
+    which made the timings noise.
+    """
     try:
         from transformers import AutoModelForCausalLM, GenerationConfig
     except ImportError:
         raise PeerUnavailableError("--peers hf needs transformers: pip install 'specdecode[test]'") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        if share is not None and _shareable(share, torch_dtype):
+            model = _shared_model(path, share)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     except (OSError, ValueError) as exc:
         raise PeerUnavailableError(f"transformers cannot load {path}: {exc}") from None
     model.eval()
@@ -95,6 +106,50 @@ def _load(path: Path, torch_dtype: Any, eos: list[int]) -> Any:
         bos_token_id=getattr(cfg, "bos_token_id", None), eos_token_id=eos, pad_token_id=eos[0] if eos else None
     )
     return model
+
+
+def _shareable(decoder: Any, torch_dtype: Any) -> bool:
+    import torch
+
+    weights = [decoder.lm_head] + [w.qkv for w in decoder.layers]
+    return decoder.dtype == torch_dtype and all(isinstance(w, torch.Tensor) for w in weights)
+
+
+def _shared_model(path: Path, decoder: Any) -> Any:
+    """An HF model built on the meta device whose parameters are assigned views of ``decoder``'s
+    packed tensors (q|k|v and gate|up are split back into HF's separate projections)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=decoder.dtype)
+    model.load_state_dict(_hf_state(decoder), strict=True, assign=True)
+    for name, module in list(model.named_modules()):  # non-persistent buffers (RoPE) stay on meta
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent = model.get_submodule(name.rpartition(".")[0])
+            setattr(parent, name.rpartition(".")[2], type(module)(config=model.config))
+    return model
+
+
+def _hf_state(decoder: Any) -> dict[str, Any]:
+    cfg = decoder.config
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    state = {"model.embed_tokens.weight": decoder.embed, "model.norm.weight": decoder.norm,
+             "lm_head.weight": decoder.lm_head}
+    for i, w in enumerate(decoder.layers):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = w.in_norm
+        state[p + "post_attention_layernorm.weight"] = w.post_norm
+        for name, (a, b) in {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.items():
+            state[f"{p}self_attn.{name}_proj.weight"] = w.qkv[a:b]
+            if w.qkv_bias is not None:
+                state[f"{p}self_attn.{name}_proj.bias"] = w.qkv_bias[a:b]
+        state[p + "self_attn.o_proj.weight"] = w.o
+        state[p + "mlp.gate_proj.weight"] = w.gate_up[:inter]
+        state[p + "mlp.up_proj.weight"] = w.gate_up[inter:]
+        state[p + "mlp.down_proj.weight"] = w.down
+    return state
 
 
 class _FirstTokenClock:
