@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 
 METHODS = ("none", "ngram", "draft_model", "combined")
+MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
 DEFAULT_DRAFT_CONFIDENCE = 0.0  # set from measurements; 0 = never stop drafting early
 DTYPES = ("float32", "bfloat16")
 
@@ -61,9 +62,9 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidConfigError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if not 1 <= self.num_speculative_tokens <= 32:
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InvalidConfigError(
-                f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}"
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}"
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidConfigError(

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specdecode.config import SamplingParams
+from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.draft_length import DraftLength
 from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
-from specdecode.errors import PromptTooLongError
+from specdecode.errors import InvalidConfigError, PromptTooLongError
 from specdecode.models.decoder import Decoder
 from specdecode.sampling import greedy, logits_to_probs, sample
 from specdecode.stats import RequestStats
@@ -76,6 +76,8 @@ class Engine:
         request's acceptance (see ``draft_length.py``), otherwise it is always ``k``.
         """
         self.check_prompt(prompt_ids)
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:  # wider verify calls would leave the invariant kernel
+            raise InvalidConfigError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
         start = time.perf_counter()
         stats = RequestStats(prompt_tokens=len(prompt_ids))
         gen = torch.Generator()

@@ -142,3 +142,10 @@ def test_combined_uses_both_drafters(llm, monkeypatch):
     out = llm.generate(repeated, _greedy(30), method="combined")[0]
     assert out.token_ids == plain.token_ids
     assert used["ngram"] > 0 and used["model"] > 0, used
+
+
+def test_draft_length_out_of_range_is_refused(llm):
+    from specdecode.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError):
+        llm.generate("abc", _greedy(4), method="ngram", num_speculative_tokens=100)

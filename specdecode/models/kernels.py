@@ -20,6 +20,12 @@ from torch import Tensor
 KEY_BLOCK = 128  # keys per attention block; below any BLAS K-blocking, so one block = one pass
 
 
+# Calls with more rows than this are prompt prefills, never decode or verify steps (K <= 32).
+# A prefill is the same call for every method, so it needs no invariance and takes BLAS GEMM,
+# which is compute-efficient at many rows where the row-streaming kernels are not.
+PREFILL_ROWS = 64
+
+
 def linear_portable(x: Tensor, w: Tensor) -> Tensor:
     """``x @ w.T`` with a row count that always selects the GEMM kernel.
 
@@ -37,9 +43,11 @@ def linear_fast(x: Tensor, w: Tensor) -> Tensor:
 
 
 def linear_native(x: Tensor, w: Tensor) -> Tensor:
-    """The native batch-invariant kernel (float32, AVX2); see ``native.py``."""
+    """The native batch-invariant kernel (float32, AVX2; see ``native.py``); BLAS for prefills."""
     from specdecode.models import native
 
+    if x.shape[0] > PREFILL_ROWS:
+        return torch.nn.functional.linear(x, w)
     return native.load().linear_rows(x.contiguous(), w)
 
 
