@@ -7,7 +7,7 @@ that names the field, instead of deep inside the decode loop.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 
@@ -79,7 +79,6 @@ class ModelSpec:
     name: str
     dtype: str = "float32"
     max_seq_len: int | None = None  # None: the model's own context length, capped by the engine
-    extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -197,11 +197,7 @@ def _plot_speedups(plt: Any, summary: dict[str, Any], path: Path) -> bool:
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(cats))], list(cats))
     ax.set_ylabel("speedup vs none (x)")
     ax.set_title(f"{_short(summary)}\nspeedup vs plain decoding per category (dashed line: 1x)", fontsize="medium")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path)
 
 
 def _plot_acceptance(plt: Any, summary: dict[str, Any], path: Path) -> bool:
@@ -217,6 +213,11 @@ def _plot_acceptance(plt: Any, summary: dict[str, Any], path: Path) -> bool:
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0.0, 1.05)
     ax.set_title(f"{_short(summary)}\nacceptance rate by draft position", fontsize="medium")
+    return _save(plt, fig, ax, path)
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: Path) -> bool:
+    """The common tail of every plot: legend, layout, PNG, and freeing the figure."""
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
