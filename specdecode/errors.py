@@ -42,3 +42,7 @@ class InvalidSamplingParamsError(SpecDecodeError, ValueError):
 
 class InvalidConfigError(SpecDecodeError, ValueError):
     """An engine or speculative-decoding setting outside its valid range."""
+
+
+class ServerBusyError(SpecDecodeError):
+    """The server's wait queue is full; the client should retry later (HTTP 429)."""
