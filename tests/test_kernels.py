@@ -17,7 +17,7 @@ def test_native_kernel_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-@pytest.mark.parametrize("shape", [(40, 24), (136, 96), (4864, 896)], ids=str)
+@pytest.mark.parametrize("shape", [(40, 24), (136, 96), (37, 1027), (4864, 896)], ids=str)
 def test_rows_bitwise_invariant(path, shape):
     linear = PATHS[path]
     gen = torch.Generator().manual_seed(0)
@@ -31,8 +31,42 @@ def test_rows_bitwise_invariant(path, shape):
     torch.testing.assert_close(alone, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
+def test_native_rows_beyond_one_pass_are_exact():
+    """Calls wider than the kernel's 63-row pass (batched server steps) slice rows, never sums."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(52, 300, generator=gen)
+    x = torch.randn(130, 300, generator=gen)
+    kernel = native.load().linear_rows
+    alone = torch.cat([kernel(x[i : i + 1], w) for i in range(130)])
+    for n in (63, 64, 127, 130):
+        assert torch.equal(kernel(x[:n].contiguous(), w), alone[:n]), n
+
+
 def test_native_rejects_bad_input():
     with pytest.raises(RuntimeError):
         kernels.linear_native(torch.ones(2, 3), torch.ones(4, 5))
     with pytest.raises(RuntimeError):
         kernels.linear_native(torch.ones(2, 3, dtype=torch.float64), torch.ones(4, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 6])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_rows_bitwise_invariant(group, head_dim):
+    """A query row's output is the same alone (G rows per kv head) as inside a verify batch."""
+    gen = torch.Generator().manual_seed(group * head_dim)
+    span, n_max = 2 * kernels.KEY_BLOCK, 17
+    q = torch.randn(2, group, n_max, head_dim, generator=gen)  # [kv_heads, G, N, d]
+    k = torch.randn(2, span, head_dim, generator=gen)
+    v = torch.randn(2, span, head_dim, generator=gen)
+    start = 150  # cached tokens before the batch; the rest of the span is masked
+
+    def run(first: int, n: int) -> torch.Tensor:
+        cols = torch.arange(span)
+        visible = cols[None, :] <= (start + first + torch.arange(n))[:, None]
+        bias = torch.zeros(n, span).masked_fill_(~visible, float("-inf")).repeat(group, 1)
+        rows = q[:, :, first : first + n].reshape(2, group * n, head_dim)
+        return kernels.attention(rows, k, v, bias, 0.125).view(2, group, n, head_dim)
+
+    alone = torch.cat([run(i, 1) for i in range(n_max)], dim=2)
+    for n in (2, 5, 9, 17):
+        assert torch.equal(run(0, n), alone[:, :, :n]), n

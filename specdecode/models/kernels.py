@@ -5,11 +5,14 @@ one row at a time. If a row rounded differently in the two cases, a near-tie in 
 flip the argmax and the "lossless" output would drift from plain decoding.
 
 Linear layers take weights ``[out, in]``. The fast path is the native kernel (``native.py``),
-invariant for every row count including one. The portable torch path relies on a measurement
-(torch 2.13 here, fp32): ``w @ x.T`` gives a row identical bits for every row count from 2 to 40
-and any row position, but a single row goes through GEMV and rounds differently, so a lone row is
-duplicated. The reductions in attention run over fixed-size key blocks so that extra (masked,
-exactly zero) keys never regroup the sums of the real ones.
+invariant for every row count including one. The portable torch path and attention rely on a
+measurement (torch 2.13 here, fp32, MKL): a GEMM with at least ``MIN_GEMM_ROWS`` rows gives each
+row the same bits for every row count and row position, while calls with fewer rows take
+small-matrix kernels that round differently (one row: GEMV; two or three rows differed too, e.g.
+for a reduction length of 1536 or a head dim of 128 with 1-3 query heads per kv head). So short
+calls are padded with zero rows up to ``MIN_GEMM_ROWS``. The reductions in attention also run
+over fixed-size key blocks so that extra (masked, exactly zero) keys never regroup the sums of the
+real ones.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import Tensor
 
 KEY_BLOCK = 128  # keys per attention block; below any BLAS K-blocking, so one block = one pass
+MIN_GEMM_ROWS = 8  # fewer rows than this take BLAS small-matrix paths; we pad up to it
 
 
 # Calls with more rows than this are prompt prefills, never decode or verify steps (K <= 32).
@@ -27,14 +31,23 @@ PREFILL_ROWS = 64
 
 
 def linear_portable(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` with a row count that always selects the GEMM kernel.
+    """``x @ w.T`` with a row count that always selects the same GEMM kernel.
 
     x: [N, in]; w: [out, in] -> [N, out].
     """
     # Contiguous results: a reduction over a transposed view may group its sums by row count.
-    if x.shape[0] == 1:
-        return (w @ x.expand(2, -1).T).T[:1].contiguous()
-    return (w @ x.T).T.contiguous()
+    n = x.shape[0]
+    return (w @ _pad_rows(x, 0).T).T[:n].contiguous()
+
+
+def _pad_rows(x: Tensor, dim: int) -> Tensor:
+    """``x`` with zero rows appended along ``dim`` up to ``MIN_GEMM_ROWS`` (see module docstring)."""
+    short = MIN_GEMM_ROWS - x.shape[dim]
+    if short <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def linear_fast(x: Tensor, w: Tensor) -> Tensor:
@@ -82,8 +95,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Te
     ``KEY_BLOCK`` keys in order, so keys a row cannot see add exact zeros and nothing else.
     """
     rows = q.shape[1]
-    if rows == 1:  # keep BLAS on its GEMM path (see module docstring)
-        return attention(q.expand(-1, 2, -1), k, v, bias.expand(2, -1), scale)[:, :1]
+    if rows < MIN_GEMM_ROWS:  # keep BLAS on its GEMM path (see module docstring)
+        return attention(_pad_rows(q, 1), k, v, _pad_rows(bias, 0), scale)[:, :rows]
     scores = torch.matmul(q, k.transpose(1, 2)) * scale + bias  # [kv_heads, G*N, L]
     probs = torch.softmax(scores, dim=-1)
     length = k.shape[1]

@@ -10,6 +10,8 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <algorithm>
+
 namespace {
 
 inline float hsum(__m256 v) {
@@ -22,46 +24,96 @@ inline float hsum(__m256 v) {
 
 constexpr int64_t PREFETCH = 128;  // floats ahead in each weight row (512 bytes), measured best
 
+// One register tile: JB outputs x RB rows over k in [k0, k1). The accumulators live in ``acc``
+// between calls, so a reduction split into k-chunks performs exactly the FMAs of an unsplit one.
 template <int JB, int RB>
-inline void tile(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t j0,
-                 int64_t r0) {
-    __m256 acc[JB][RB];
+inline void tile(const float* x, const float* w, __m256* acc, int64_t in, int64_t j0, int64_t r0,
+                 int64_t k0, int64_t k1, bool prefetch) {
+    __m256 a_[JB][RB];
     for (int a = 0; a < JB; ++a)
-        for (int b = 0; b < RB; ++b) acc[a][b] = _mm256_setzero_ps();
-    const int64_t kv = in & ~int64_t(7);
-    for (int64_t k = 0; k < kv; k += 8) {
+        for (int b = 0; b < RB; ++b) a_[a][b] = acc[a * RB + b];
+    for (int64_t k = k0; k < k1; k += 8) {
         __m256 xv[RB];
         for (int b = 0; b < RB; ++b) xv[b] = _mm256_loadu_ps(x + (r0 + b) * in + k);
         for (int a = 0; a < JB; ++a) {
             const float* wk = w + (j0 + a) * in + k;
-            _mm_prefetch(reinterpret_cast<const char*>(wk + PREFETCH), _MM_HINT_T0);
+            if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wk + PREFETCH), _MM_HINT_T0);
             const __m256 wv = _mm256_loadu_ps(wk);
-            for (int b = 0; b < RB; ++b) acc[a][b] = _mm256_fmadd_ps(wv, xv[b], acc[a][b]);
+            for (int b = 0; b < RB; ++b) a_[a][b] = _mm256_fmadd_ps(wv, xv[b], a_[a][b]);
         }
     }
+    for (int a = 0; a < JB; ++a)
+        for (int b = 0; b < RB; ++b) acc[a * RB + b] = a_[a][b];
+}
+
+// The fixed epilogue of every output element: horizontal sum, then the scalar tail in order.
+template <int JB, int RB>
+inline void finish(const float* x, const float* w, float* y, const __m256* acc, int64_t in,
+                   int64_t out, int64_t j0, int64_t r0) {
+    const int64_t kv = in & ~int64_t(7);
     for (int a = 0; a < JB; ++a) {
         for (int b = 0; b < RB; ++b) {
-            float s = hsum(acc[a][b]);
+            float s = hsum(acc[a * RB + b]);
             for (int64_t k = kv; k < in; ++k) s += w[(j0 + a) * in + k] * x[(r0 + b) * in + k];
             y[(r0 + b) * out + j0 + a] = s;
         }
     }
 }
 
-// Register tiles (outputs x rows) are chosen for speed only: 8x1 keeps 8 weight streams in
-// flight for a single row; 4x3 (12 accumulators of 16 registers) reuses each weight load 3 times.
+template <int JB, int RB>
+inline void whole(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t j0,
+                  int64_t r0) {
+    __m256 acc[JB * RB];
+    for (auto& v : acc) v = _mm256_setzero_ps();
+    tile<JB, RB>(x, w, acc, in, j0, r0, 0, in & ~int64_t(7), true);
+    finish<JB, RB>(x, w, y, acc, in, out, j0, r0);
+}
+
+template <int JB, int RB>
+inline void row_groups(const float* x, const float* w, __m256* acc, int64_t n, int64_t in,
+                       int64_t j0, int64_t k0, int64_t k1) {
+    int64_t r = 0;
+    for (; r + RB <= n; r += RB) tile<JB, RB>(x, w, acc + r * JB, in, j0, r, k0, k1, r == 0);
+    if (n - r == 2) tile<JB, 2>(x, w, acc + r * JB, in, j0, r, k0, k1, r == 0);
+    if (n - r == 1) tile<JB, 1>(x, w, acc + r * JB, in, j0, r, k0, k1, r == 0);
+}
+
+template <int JB, int RB>
+inline void finish_groups(const float* x, const float* w, float* y, const __m256* acc, int64_t n,
+                          int64_t in, int64_t out, int64_t j0) {
+    int64_t r = 0;
+    for (; r + RB <= n; r += RB) finish<JB, RB>(x, w, y, acc + r * JB, in, out, j0, r);
+    if (n - r == 2) finish<JB, 2>(x, w, y, acc + r * JB, in, out, j0, r);
+    if (n - r == 1) finish<JB, 1>(x, w, y, acc + r * JB, in, out, j0, r);
+}
+
+constexpr int64_t MAX_ROWS = 63;  // rows per pass (a multiple of 3): the accumulators fit in 8 KB
+constexpr int64_t K_CHUNK = 128;  // floats of k per pass over the row groups, measured best
+
+// Tiles are chosen for speed only. One row: 8x1 keeps 8 weight streams in flight. Several rows:
+// 4x3 (12 of 16 registers) reuses each weight load 3 times, and k is walked in chunks, each chunk
+// visiting every row group while its 4 x 512 bytes of weights sit in L1. So the weights stream
+// from memory once per call however many rows there are, and the accumulators carry over chunks.
 template <int JB>
 void all_rows(const float* x, const float* w, float* y, int64_t n, int64_t in, int64_t out,
               int64_t j0) {
     if (n == 1) {
-        tile<JB, 1>(x, w, y, in, out, j0, 0);
+        whole<JB, 1>(x, w, y, in, out, j0, 0);
         return;
     }
-    for (int64_t jj = j0; jj < j0 + JB; jj += JB / 2) {
-        int64_t r = 0;
-        for (; r + 3 <= n; r += 3) tile<JB / 2, 3>(x, w, y, in, out, jj, r);
-        if (n - r == 2) tile<JB / 2, 2>(x, w, y, in, out, jj, r);
-        if (n - r == 1) tile<JB / 2, 1>(x, w, y, in, out, jj, r);
+    constexpr int JH = JB / 2;
+    const int64_t kv = in & ~int64_t(7);
+    alignas(32) __m256 acc[MAX_ROWS * JH];
+    for (int64_t jj = j0; jj < j0 + JB; jj += JH) {
+        for (int64_t r0 = 0; r0 < n; r0 += MAX_ROWS) {  // rows are independent: slicing is exact
+            const int64_t rows = std::min(MAX_ROWS, n - r0);
+            const float* xr = x + r0 * in;
+            float* yr = y + r0 * out;
+            for (int64_t i = 0; i < rows * JH; ++i) acc[i] = _mm256_setzero_ps();
+            for (int64_t k0 = 0; k0 < kv; k0 += K_CHUNK)
+                row_groups<JH, 3>(xr, w, acc, rows, in, jj, k0, std::min(k0 + K_CHUNK, kv));
+            finish_groups<JH, 3>(xr, w, yr, acc, rows, in, out, jj);
+        }
     }
 }
 
@@ -82,7 +134,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const torch::Tensor& w) {
         for (int64_t b = begin; b < end; ++b) all_rows<JB>(xp, wp, yp, n, in, out, b * JB);
     });
     for (int64_t j = blocks * JB; j < out; ++j)  // the last out % 8 outputs, one at a time
-        for (int64_t r = 0; r < n; ++r) tile<1, 1>(xp, wp, yp, in, out, j, r);
+        for (int64_t r = 0; r < n; ++r) whole<1, 1>(xp, wp, yp, in, out, j, r);
     return y;
 }
 
