@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, ModelSpec, SamplingParams, SpecConfig
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, ModelSpec, SamplingParams,
+                               SpecConfig)
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.combined import CombinedDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -17,6 +18,7 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine, GenerationOutput
 from specdecode.errors import InvalidConfigError, VocabularyMismatchError
 from specdecode.models.catalog import resolve_model
+from specdecode.models import quant
 from specdecode.models.decoder import Decoder
 from specdecode.tokenizer import Tokenizer
 
@@ -41,12 +43,14 @@ class LLM:
         progress: bool = True,
         adaptive: bool = True,
         draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
-        draft_quantize: str | None = None,
+        draft_quantize: str | None = DEFAULT_DRAFT_QUANTIZE,
     ) -> None:
         """``adaptive``: the draft length follows each request's acceptance, up to
         ``num_speculative_tokens`` (False: always exactly that many). ``draft_confidence``: the
         draft model stops drafting after a token it gives less than this probability.
-        ``draft_quantize="int8"``: int8 draft weights (cheaper drafts; exactness unaffected)."""
+        ``draft_quantize``: "int8" (the default) gives the draft int8 weights, cheaper drafts with
+        exactness unaffected; None or "none" keeps it in ``dtype``. Without fbgemm (non-x86
+        builds of torch) int8 falls back to ``dtype`` with a warning."""
         self.spec = SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max)
         if not 0.0 <= draft_confidence < 1.0:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
@@ -63,6 +67,7 @@ class LLM:
         self.draft_model: Decoder | None = None
         if draft is not None:
             # The draft's numerics never affect exactness, so it takes the fast single-row path.
+            draft_quantize = quant.usable_mode(draft_quantize, dtype)
             self.draft_model = Decoder.from_dir(resolve_model(draft, progress=progress), dtype,
                                                 batch_invariant=False, quantize=draft_quantize)
             if self.draft_model.config.vocab_size != self.target.config.vocab_size:

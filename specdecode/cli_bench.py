@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DTYPES, METHODS, SamplingParams
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES, DTYPES,
+                               METHODS, SamplingParams)
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,ngram,draft_model"
@@ -59,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-schedule", choices=("adaptive", "fixed", "both"), default="adaptive",
                    help="adaptive: the draft length follows acceptance, up to K; fixed: always K; both: "
                         "each method twice, fixed-K rows named METHOD+fixed (default: %(default)s)")
-    p.add_argument("--draft-quantize", choices=("int8",), default=None,
-                   help="int8 draft model weights (cheaper drafts; output unchanged)")
+    p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
+                   help="draft model weights: int8 (cheaper drafts) or none (the --dtype); output "
+                        "unchanged either way (default: %(default)s)")
     p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
                    help="draft model stops drafting after a token it gives less than this probability "
                         "(default: %(default)s)")

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DTYPES, METHODS, SamplingParams
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES, DTYPES,
+                               METHODS, SamplingParams)
 from specdecode.errors import InvalidConfigError
 
 
@@ -44,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
                    help="draft model: stop drafting after a token whose draft probability is below "
                         "this (default: %(default)s)")
-    p.add_argument("--draft-quantize", choices=("int8",), default=None,
-                   help="int8 draft weights: cheaper drafts; the output stays exactly the target's")
+    p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
+                   help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
+                        "exactly the target's either way (default: %(default)s)")
     p.add_argument("--compare", action="store_true",
                    help="also run --method none on the same input and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")

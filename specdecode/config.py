@@ -14,6 +14,10 @@ from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 METHODS = ("none", "ngram", "draft_model", "combined")
 MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
 DEFAULT_DRAFT_CONFIDENCE = 0.0  # 0 = never stop drafting early; not yet tuned on real models
+# int8 drafts cost a quarter of the fp32 bytes per token and left acceptance unchanged on the
+# default pair (docs/PERFORMANCE.md); "none" keeps the draft in the model dtype.
+DRAFT_QUANTIZE_CHOICES = ("int8", "none")
+DEFAULT_DRAFT_QUANTIZE = "int8"
 DTYPES = ("float32", "bfloat16")
 
 

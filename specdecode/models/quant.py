@@ -8,6 +8,7 @@ what bounds one-token decoding. The target stays in float32 unless the user asks
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -15,6 +16,17 @@ import torch
 from torch import Tensor
 
 QUANTIZE_MODES = ("int8",)
+
+
+def usable_mode(mode: str | None, dtype: str) -> str | None:
+    """The quantization to apply for a requested ``mode``: None for "none"/None, for a non-float32
+    dtype (int8 packs from float32 only), or when this torch build has no fbgemm (warned)."""
+    if mode in (None, "none") or dtype != "float32":
+        return None
+    if mode in QUANTIZE_MODES and "fbgemm" not in torch.backends.quantized.supported_engines:
+        print("specdecode: this torch build has no fbgemm; the draft stays in float32", file=sys.stderr)
+        return None
+    return mode
 
 
 def pack_int8(w: Tensor) -> Any:
