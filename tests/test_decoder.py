@@ -49,6 +49,33 @@ def test_rows_are_batch_invariant(tiny_models, arch, native):
     assert torch.equal(torch.cat(rows), singles)
 
 
+@pytest.mark.parametrize("native", [None, False], ids=["native", "portable"])
+def test_batched_sequences_get_their_solo_bits(tiny_models, native):
+    """forward_batch over sequences with different cache lengths and row counts (over 64 rows in
+    all, beyond one kernel pass) gives each the logits it gets alone, and the same cache state."""
+    model = Decoder.from_dir(tiny_models["qwen2"], native=native)
+    gen = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in (5, 130, 40, 70, 9)]
+    steps = [[torch.randint(0, vocab, (n,), generator=gen) for n in sizes]
+             for sizes in ((1, 6, 33, 17, 2), (9, 1, 1, 30, 33))]
+    solo_caches = [model.new_cache(300) for _ in prompts]
+    batch_caches = [model.new_cache(300) for _ in prompts]
+    for p, a, b in zip(prompts, solo_caches, batch_caches):
+        model.forward(p, a)
+        model.forward(p, b)
+    for step in steps:
+        solo = [model.forward(t, c) for t, c in zip(step, solo_caches)]
+        batched = model.forward_batch(list(zip(step, batch_caches)))
+        for a, b in zip(solo, batched):
+            assert torch.equal(a, b)
+    assert [c.length for c in batch_caches] == [c.length for c in solo_caches]
+    last = model.forward_batch([(torch.tensor([1, 2]), batch_caches[0]), (torch.tensor([3]), batch_caches[1])],
+                               last_only=True)
+    assert torch.equal(last[0], model.forward(torch.tensor([1, 2]), solo_caches[0])[-1:])
+    assert torch.equal(last[1], model.forward(torch.tensor([3]), solo_caches[1]))
+
+
 def test_cache_rollback_reproduces_logits(tiny_models):
     model = Decoder.from_dir(tiny_models["llama"])
     tokens = torch.arange(10) % model.config.vocab_size

@@ -28,7 +28,8 @@ def llm(tiny_pair):
 @pytest.fixture(scope="module")
 def self_draft_llm(tiny_pair):
     target, _ = tiny_pair
-    return LLM(model=str(target), draft=str(target), max_seq_len=512, progress=False)
+    return LLM(model=str(target), draft=str(target), max_seq_len=512, progress=False,
+               draft_quantize="none")  # an exact copy of the target: every draft is accepted
 
 
 def _greedy(n: int = 40) -> SamplingParams:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -103,49 +104,93 @@ class Decoder:
     def max_context(self) -> int:
         return self.config.max_position_embeddings
 
-    @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = False) -> Tensor:
         """Run ``tokens`` [N] at the next N cache slots; return logits [N, V] (or [1, V]).
 
         Row i attends to every cached token and to rows 0..i (causal). The cache length grows by N.
         """
+        return self.forward_batch([(tokens, cache)], last_only)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: Sequence[tuple[Tensor, KVCache]], last_only: bool = False) -> list[Tensor]:
+        """One forward for several sequences, each ``(tokens [N_i], its own cache)``.
+
+        The rows of all sequences share every linear layer (one pass over the weights, which is
+        what a decode step pays for); attention runs per sequence over its own cache. Rows are
+        batch-invariant, so each sequence gets the bits it would get alone. Returns logits per
+        sequence: [N_i, V], or [1, V] each with ``last_only``.
+        """
         cfg = self.config
-        n = tokens.shape[0]
-        start = cache.reserve(n)
-        total = start + n
-        span = math.ceil(total / kernels.KEY_BLOCK) * kernels.KEY_BLOCK  # keys the kernels read
         group = cfg.num_heads // cfg.num_kv_heads
-        cos, sin = self.cos[start:total], self.sin[start:total]
-        bias = _causal_bias(start, n, span, group).to(self.dtype)  # [G*N, span]
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+        views: list[_SegmentView] = []
+        for tokens, cache in segments:
+            n = tokens.shape[0]
+            start = cache.reserve(n)
+            span = math.ceil((start + n) / kernels.KEY_BLOCK) * kernels.KEY_BLOCK  # keys read
+            bias = _causal_bias(start, n, span, group).to(self.dtype)  # [G*N, span]
+            views.append(_SegmentView(cache, start, n, span, bias))
+        tokens = torch.cat([t for t, _ in segments]) if len(segments) > 1 else segments[0][0]
+        positions = torch.cat([torch.arange(v.start, v.start + v.n) for v in views])
+        cos, sin = self.cos[positions], self.sin[positions]
+        # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path.
+        linear = self._linear if len(segments) == 1 else self._rows_linear
         x = self.embed[tokens]  # [N, D]
         for i, layer in enumerate(self.layers):
-            x = self._layer(x, layer, cache, i, start, span, cos, sin, bias, scale)
+            x = self._layer(x, layer, i, views, cos, sin, linear)
         if last_only:
-            x = x[-1:]
+            ends = torch.tensor([v.n for v in views]).cumsum(0) - 1
+            x = x[ends]
         x = kernels.rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return self._linear(x, self.lm_head).float()
+        logits = linear(x, self.lm_head).float()
+        return list(logits.split(1 if last_only else [v.n for v in views]))
 
-    def _layer(self, x, w: LayerWeights, cache, i, start, span, cos, sin, bias, scale) -> Tensor:
+    def _rows_linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """``self._linear`` in row chunks below ``kernels.PREFILL_ROWS``: a batch of many
+        sequences' decode rows must stay on the invariant kernels, never go to BLAS GEMM."""
+        if x.shape[0] <= kernels.PREFILL_ROWS:
+            return self._linear(x, w)
+        return torch.cat([self._linear(c, w) for c in x.split(kernels.PREFILL_ROWS)])
+
+    def _layer(self, x, w: LayerWeights, i: int, views: list[_SegmentView], cos, sin, linear) -> Tensor:
         cfg = self.config
         n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        scale = 1.0 / math.sqrt(d)
         h = kernels.rms_norm(x, w.in_norm, cfg.rms_norm_eps)
-        qkv = self._linear(h, w.qkv)
+        qkv = linear(h, w.qkv)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
         q = kernels.apply_rope(q.view(n, hq, d), cos, sin)
         k = kernels.apply_rope(k.view(n, hkv, d), cos, sin)
-        cache.k[i, :, start : start + n] = k.transpose(0, 1)
-        cache.v[i, :, start : start + n] = v.view(n, hkv, d).transpose(0, 1)
-        # [N, Hq, d] -> [Hkv, G*N, d]: query heads of one kv head are consecutive in HF layouts.
-        qg = q.view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
-        attn = kernels.attention(qg, cache.k[i, :, :span], cache.v[i, :, :span], bias, scale)
-        attn = attn.view(hkv, hq // hkv, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
-        x = x + self._linear(attn, w.o)
+        v = v.view(n, hkv, d)
+        outs, row = [], 0
+        for seg in views:
+            rows = slice(row, row + seg.n)
+            row += seg.n
+            cache, start = seg.cache, seg.start
+            cache.k[i, :, start : start + seg.n] = k[rows].transpose(0, 1)
+            cache.v[i, :, start : start + seg.n] = v[rows].transpose(0, 1)
+            # [N, Hq, d] -> [Hkv, G*N, d]: query heads of one kv head are consecutive in HF layouts.
+            qg = q[rows].reshape(seg.n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
+            attn = kernels.attention(qg, cache.k[i, :, : seg.span], cache.v[i, :, : seg.span], seg.bias, scale)
+            outs.append(attn.view(hkv, hq // hkv, seg.n, d).permute(2, 0, 1, 3).reshape(seg.n, hq * d))
+        attn = torch.cat(outs) if len(outs) > 1 else outs[0]
+        x = x + linear(attn, w.o)
         h = kernels.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-        gate, up = self._linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + self._linear(torch.nn.functional.silu(gate) * up, w.down)
+        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
+        return x + linear(torch.nn.functional.silu(gate) * up, w.down)
+
+
+@dataclass(slots=True)
+class _SegmentView:
+    """Where one sequence's rows of a batched forward go: its cache, first slot, row count, the
+    keys its attention reads (whole blocks) and its causal mask."""
+
+    cache: KVCache
+    start: int
+    n: int
+    span: int
+    bias: Tensor
 
 
 def _pick_linear(dtype: torch.dtype, batch_invariant: bool, use_native: bool | None):
