@@ -1,4 +1,4 @@
-"""The propose -> verify -> commit loop for one sequence at a time.
+"""The propose -> verify -> commit loop.
 
 Reads like the papers: the drafter proposes K tokens, the target scores the last committed token
 plus the K drafts in one forward, an exact acceptance rule keeps a prefix and supplies one more
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdecode.cache import KVCache
 from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.draft_length import DraftLength
 from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
@@ -24,7 +25,7 @@ from specdecode.sampling import greedy, logits_to_probs, sample
 from specdecode.stats import RequestStats
 from specdecode.stops import StopChecker
 from specdecode.tokenizer import Tokenizer
-from specdecode.verify import VerifyResult, verify_greedy, verify_rejection
+from specdecode.verify import verify_greedy, verify_rejection
 
 
 @dataclass(slots=True)
@@ -44,8 +45,100 @@ class StreamEvent:
     output: GenerationOutput | None = None  # set on the last event
 
 
+class Generation:
+    """One request's decoding state, advanced one target forward at a time.
+
+    The engine loop and the server's batch scheduler drive it the same way: run the target on
+    ``prefill_tokens()`` and pass the logits to ``start``; then, until ``finished``, run the target
+    on ``plan()`` (the last committed token plus this step's drafts) and pass the logits to
+    ``commit``; then ``finish`` returns the last event. Who owns the forward decides whether it
+    is shared with other requests; the token decisions here never depend on it.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, k: int,
+                 adaptive: bool, tokenizer: Tokenizer, cache: KVCache, max_seq_len: int) -> None:
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:  # wider verify calls would leave the invariant kernel
+            raise InvalidConfigError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+        self.started = time.perf_counter()
+        self.cache, self.drafter, self.max_seq_len = cache, drafter, max_seq_len
+        self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+        gen = torch.Generator()
+        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen)
+        self.draft_length = DraftLength(k, adaptive)
+        self.stops = StopChecker(tokenizer, params)
+        self.proposal = EMPTY_PROPOSAL
+        cache.reset()
+
+    @property
+    def finished(self) -> bool:
+        return self.stops.finished
+
+    def prefill_tokens(self) -> Tensor:
+        return torch.tensor(self.seq.token_ids)
+
+    def start(self, logits: Tensor) -> StreamEvent:
+        """Take the prefill's last-row logits [1, V]: pick the first token, start the drafter."""
+        self.stats.prefill_s = time.perf_counter() - self.started
+        new = self.stops.push(self.seq, [_pick(logits, self.seq)])
+        self.stats.ttft_s = time.perf_counter() - self.started
+        if self.drafter is not None and not self.finished:
+            self.drafter.begin(self.seq)
+        return StreamEvent(self.stops.take_text(), new)
+
+    def plan(self) -> Tensor | None:
+        """Draft this step; return the verify inputs (last token + drafts), or None when the
+        context is full (the request then finishes with ``length``)."""
+        seq, params = self.seq, self.seq.params
+        if len(seq.token_ids) >= self.max_seq_len:
+            self.stops.mark_length()
+            return None
+        budget = min(self.draft_length.k, params.max_tokens - seq.num_generated - 1,
+                     self.max_seq_len - len(seq.token_ids))
+        t0 = time.perf_counter()
+        self.proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
+        self.stats.draft_s += time.perf_counter() - t0
+        return torch.cat([torch.tensor(seq.token_ids[-1:]), self.proposal.tokens])
+
+    def commit(self, logits: Tensor, forward_s: float = 0.0) -> StreamEvent:
+        """Take the verify logits [K+1, V]: keep the valid draft prefix and one more token, trim
+        the rejected drafts from the cache, tell the drafter. ``forward_s``: the forward's time."""
+        seq, proposal, stats = self.seq, self.proposal, self.stats
+        if seq.params.greedy:
+            result = verify_greedy(proposal.tokens, logits)
+        else:
+            probs = logits_to_probs(logits, seq.params)
+            result = verify_rejection(proposal.tokens, proposal.probs, probs, seq.generator)
+        self.cache.trim(proposal.k - result.num_accepted)
+        stats.verify_s += forward_s
+        stats.target_steps += 1
+        if proposal.k:
+            stats.record_draft(proposal.k, result.num_accepted)
+            self.draft_length.update(proposal.k, result.num_accepted)
+        new = self.stops.push(seq, result.tokens)
+        if self.drafter is not None and not self.finished:
+            t0 = time.perf_counter()
+            self.drafter.accept(seq, result.num_accepted)
+            stats.draft_s += time.perf_counter() - t0
+        return StreamEvent(self.stops.take_text(), new)
+
+    def finish(self) -> StreamEvent:
+        """The last event, carrying the whole output and its stats."""
+        self.stats.completion_tokens = self.seq.num_generated
+        self.stats.total_s = time.perf_counter() - self.started
+        output = GenerationOutput(
+            text=self.stops.text,
+            token_ids=self.seq.token_ids[self.seq.prompt_len :],
+            finish_reason=self.stops.finish_reason,
+            prompt_token_ids=self.seq.token_ids[: self.seq.prompt_len],
+            method=self.drafter.name if self.drafter is not None else "none",
+            stats=self.stats,
+        )
+        return StreamEvent(self.stops.take_text(final=True), [], output)
+
+
 class Engine:
-    """Runs requests against one target model, reusing one preallocated KV cache."""
+    """Runs requests one at a time against one target model, reusing one preallocated KV cache."""
 
     def __init__(self, target: Decoder, tokenizer: Tokenizer, max_seq_len: int) -> None:
         self.target = target
@@ -62,6 +155,13 @@ class Engine:
                 "including at least one new token; shorten the prompt or raise max_seq_len"
             )
 
+    def begin(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, k: int,
+              adaptive: bool = True, cache: KVCache | None = None) -> Generation:
+        """A checked new request on ``cache`` (default: the engine's own)."""
+        self.check_prompt(prompt_ids)
+        return Generation(prompt_ids, params, drafter, k, adaptive, self.tokenizer,
+                          cache if cache is not None else self.cache, self.max_seq_len)
+
     def stream(
         self,
         prompt_ids: list[int],
@@ -75,61 +175,16 @@ class Engine:
         ``k`` is the most tokens drafted per step; with ``adaptive`` the draft length follows the
         request's acceptance (see ``draft_length.py``), otherwise it is always ``k``.
         """
-        self.check_prompt(prompt_ids)
-        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:  # wider verify calls would leave the invariant kernel
-            raise InvalidConfigError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
-        start = time.perf_counter()
-        stats = RequestStats(prompt_tokens=len(prompt_ids))
-        gen = torch.Generator()
-        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-        seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen)
-        draft_length = DraftLength(k, adaptive)
-        stops = StopChecker(self.tokenizer, params)
-        self.cache.reset()
-
-        logits = self.target.forward(torch.tensor(prompt_ids), self.cache, last_only=True)
-        stats.prefill_s = time.perf_counter() - start
-        first = self._pick(logits, seq)
-        new = stops.push(seq, [first])
-        stats.ttft_s = time.perf_counter() - start
-        if drafter is not None and not stops.finished:
-            drafter.begin(seq)
-        yield StreamEvent(stops.take_text(), new)
-
-        while not stops.finished:
-            if len(seq.token_ids) >= self.max_seq_len:
-                stops.mark_length()
+        gen = self.begin(prompt_ids, params, drafter, k, adaptive)
+        yield gen.start(self.target.forward(gen.prefill_tokens(), self.cache, last_only=True))
+        while not gen.finished:
+            inputs = gen.plan()
+            if inputs is None:
                 break
-            budget = min(draft_length.k, params.max_tokens - seq.num_generated - 1,
-                         self.max_seq_len - len(seq.token_ids))
             t0 = time.perf_counter()
-            proposal = drafter.propose(seq, budget) if drafter and budget > 0 else EMPTY_PROPOSAL
-            t1 = time.perf_counter()
-            result = self._verify(seq, proposal)
-            stats.draft_s += t1 - t0
-            stats.verify_s += time.perf_counter() - t1
-            stats.target_steps += 1
-            if proposal.k:
-                stats.record_draft(proposal.k, result.num_accepted)
-                draft_length.update(proposal.k, result.num_accepted)
-            new = stops.push(seq, result.tokens)
-            if drafter is not None and not stops.finished:
-                t0 = time.perf_counter()
-                drafter.accept(seq, result.num_accepted)
-                stats.draft_s += time.perf_counter() - t0
-            yield StreamEvent(stops.take_text(), new)
-
-        stats.completion_tokens = seq.num_generated
-        stats.total_s = time.perf_counter() - start
-        output = GenerationOutput(
-            text=stops.text,
-            token_ids=seq.token_ids[seq.prompt_len :],
-            finish_reason=stops.finish_reason,
-            prompt_token_ids=list(prompt_ids),
-            method=drafter.name if drafter is not None else "none",
-            stats=stats,
-        )
-        yield StreamEvent(stops.take_text(final=True), [], output)
+            logits = self.target.forward(inputs, self.cache)  # [K+1, V]
+            yield gen.commit(logits, time.perf_counter() - t0)
+        yield gen.finish()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None,
                  k: int, adaptive: bool = True) -> GenerationOutput:
@@ -138,22 +193,9 @@ class Engine:
                 return event.output
         raise RuntimeError("engine stream ended without an output")  # unreachable
 
-    def _verify(self, seq: SequenceState, proposal: DraftProposal) -> VerifyResult:
-        """Score the last committed token plus the drafts in one target forward, keep the valid
-        prefix and one more token, and trim the rejected drafts from the cache."""
-        inputs = torch.cat([torch.tensor(seq.token_ids[-1:]), proposal.tokens])
-        logits = self.target.forward(inputs, self.cache)  # [K+1, V]
-        if seq.params.greedy:
-            result = verify_greedy(proposal.tokens, logits)
-        else:
-            probs = logits_to_probs(logits, seq.params)
-            result = verify_rejection(proposal.tokens, proposal.probs, probs, seq.generator)
-        self.cache.trim(proposal.k - result.num_accepted)
-        return result
 
-    @staticmethod
-    def _pick(logits: Tensor, seq: SequenceState) -> int:
-        """One token from target logits [1, V] by the request's sampling rule."""
-        if seq.params.greedy:
-            return int(greedy(logits)[0])
-        return int(sample(logits_to_probs(logits, seq.params), seq.generator)[0])
+def _pick(logits: Tensor, seq: SequenceState) -> int:
+    """One token from target logits [1, V] by the request's sampling rule."""
+    if seq.params.greedy:
+        return int(greedy(logits)[0])
+    return int(sample(logits_to_probs(logits, seq.params), seq.generator)[0])
