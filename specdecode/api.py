@@ -81,25 +81,31 @@ class LLM:
 
     def drafter(self, method: str | None = None) -> Drafter | None:
         """The (reused) drafter for ``method``; None for plain decoding."""
-        method = SpecConfig(method or self.spec.method, self.spec.num_speculative_tokens,
-                            self.spec.ngram_min, self.spec.ngram_max).method
+        method = self._method(method)
+        if method != "none" and method not in self._drafters:
+            self._drafters[method] = self.new_drafter(method)
+        return self._drafters.get(method)
+
+    def new_drafter(self, method: str | None = None, capacity: int | None = None) -> Drafter | None:
+        """A fresh drafter with its own state, for one of several concurrent requests;
+        ``capacity``: the most tokens its sequence will hold (sizes a draft model's cache)."""
+        method = self._method(method)
+        capacity = capacity or self.engine.max_seq_len
         if method == "none":
             return None
-        if method not in self._drafters:
-            if method == "ngram":
-                self._drafters[method] = NgramDrafter(self.spec.ngram_min, self.spec.ngram_max)
-            elif self.draft_model is None:
-                raise InvalidConfigError(f"method {method!r} needs a draft model: pass draft=")
-            elif method == "draft_model":
-                self._drafters[method] = DraftModelDrafter(
-                    self.draft_model, self.target.config.vocab_size, self.engine.max_seq_len,
-                    self.draft_confidence,
-                )
-            else:  # combined: shares nothing with the draft_model drafter, it has its own cache
-                draft = DraftModelDrafter(self.draft_model, self.target.config.vocab_size,
-                                          self.engine.max_seq_len, self.draft_confidence)
-                self._drafters[method] = CombinedDrafter(draft, ngram_max=max(3, self.spec.ngram_max))
-        return self._drafters[method]
+        if method == "ngram":
+            return NgramDrafter(self.spec.ngram_min, self.spec.ngram_max)
+        if self.draft_model is None:
+            raise InvalidConfigError(f"method {method!r} needs a draft model: pass draft=")
+        draft = DraftModelDrafter(self.draft_model, self.target.config.vocab_size, capacity,
+                                  self.draft_confidence)
+        if method == "draft_model":
+            return draft
+        return CombinedDrafter(draft, ngram_max=max(3, self.spec.ngram_max))
+
+    def _method(self, method: str | None) -> str:
+        return SpecConfig(method or self.spec.method, self.spec.num_speculative_tokens,
+                          self.spec.ngram_min, self.spec.ngram_max).method
 
     def generate(
         self,

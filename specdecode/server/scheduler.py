@@ -1,10 +1,16 @@
-"""Runs server requests on one loaded model, off the event loop.
+"""Runs server requests on one loaded model, off the event loop, batching concurrent requests.
 
 The HTTP layer calls :meth:`Scheduler.submit` from the asyncio loop and iterates the returned
-:class:`Job`'s events; generation happens on one worker thread, because torch calls block and the
-model can only run one forward at a time anyway. A bounded wait queue turns overload into an
-immediate :class:`ServerBusyError` (HTTP 429) instead of unbounded latency. Cancelling a job
-(client disconnect) stops its generation at the next step and frees its slot.
+:class:`Job`'s events. One worker thread owns the model (torch calls block). It keeps up to
+``max_concurrency`` requests active, each with its own KV cache and drafter, and advances them
+in lock step: every active request drafts, then ONE target forward verifies all their drafts
+(``Decoder.forward_batch``: the rows share each pass over the weights, which is what a decode
+step costs on a CPU; acceptance stays ragged per request). Because the kernels are
+batch-invariant, each request gets exactly the tokens it would get alone.
+
+A new request's prompt prefill runs as its own forward before it joins the batch. A bounded wait
+queue turns overload into an immediate :class:`ServerBusyError` (HTTP 429) instead of unbounded
+latency. Cancelling a job (client disconnect) drops it at the next step, freeing its KV memory.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from specdecode.api import LLM
 from specdecode.config import SamplingParams
-from specdecode.engine import StreamEvent
+from specdecode.engine import Generation, StreamEvent
 from specdecode.errors import ServerBusyError
 
 _DONE = object()
@@ -104,31 +111,90 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     def _work(self) -> None:
+        active: list[tuple[Job, Generation]] = []
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                while not self._queue and not active and not self._closed:
                     self._lock.wait()
                 if self._closed:
                     return
-                job = self._queue.popleft()
-                self._running.add(job)
-            try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self._running.discard(job)
+                admitted = []
+                while self._queue and len(active) + len(admitted) < self.max_concurrency:
+                    job = self._queue.popleft()
+                    self._running.add(job)
+                    admitted.append(job)
+            for job in admitted:
+                gen = self._start(job)
+                if gen is not None:
+                    active.append((job, gen))
+            active = self._step(active)
 
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            job._emit(_DONE)
-            return
+    def _start(self, job: Job) -> Generation | None:
+        """Prefill a newly admitted request; None when it is already over (or failed)."""
         try:
-            drafter = self.llm.drafter(self.method)
-            for event in self.llm.engine.stream(job.prompt_ids, job.params, drafter, self.k,
-                                                self.llm.adaptive):
-                if job.cancelled.is_set():
-                    break
-                job._emit(event)
+            if job.cancelled.is_set():
+                raise _Cancelled
+            engine, llm = self.llm.engine, self.llm
+            capacity = min(engine.max_seq_len, len(job.prompt_ids) + job.params.max_tokens)
+            cache = engine.target.new_cache(capacity)
+            gen = engine.begin(job.prompt_ids, job.params, llm.new_drafter(self.method, capacity), self.k,
+                               llm.adaptive, cache)
+            job._emit(gen.start(engine.target.forward(gen.prefill_tokens(), cache, last_only=True)))
+            if not gen.finished:
+                return gen
+            job._emit(gen.finish())
+        except _Cancelled:
+            pass
         except Exception as exc:  # delivered to the request's handler, which maps it to HTTP
             job._emit(exc)
+        self._release(job)
+        return None
+
+    def _step(self, active: list[tuple[Job, Generation]]) -> list[tuple[Job, Generation]]:
+        """Draft for every active request, verify all drafts in one target forward, commit."""
+        batch: list[tuple[Job, Generation, object]] = []
+        for job, gen in active:
+            try:
+                inputs = None if job.cancelled.is_set() else gen.plan()
+            except Exception as exc:  # noqa: BLE001 - fail this request only, keep serving
+                job._emit(exc)
+                self._release(job)
+                continue
+            if inputs is None:  # cancelled, or the context is full
+                if not job.cancelled.is_set():
+                    job._emit(gen.finish())
+                self._release(job)
+            else:
+                batch.append((job, gen, inputs))
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        try:
+            logits = self.llm.engine.target.forward_batch([(inputs, gen.cache) for _, gen, inputs in batch])
+        except Exception as exc:  # a bug, not user input: fail these requests, keep serving
+            for job, _, _ in batch:
+                job._emit(exc)
+                self._release(job)
+            return []
+        forward_s = time.perf_counter() - t0
+        still: list[tuple[Job, Generation]] = []
+        for (job, gen, _), rows in zip(batch, logits):
+            try:
+                job._emit(gen.commit(rows, forward_s))
+                if not gen.finished:
+                    still.append((job, gen))
+                    continue
+                job._emit(gen.finish())
+            except Exception as exc:  # noqa: BLE001 - fail this request only, keep serving
+                job._emit(exc)
+            self._release(job)
+        return still
+
+    def _release(self, job: Job) -> None:
         job._emit(_DONE)
+        with self._lock:
+            self._running.discard(job)
+
+
+class _Cancelled(Exception):
+    """A job cancelled before it started."""

@@ -1,0 +1,97 @@
+"""The batch scheduler: concurrent requests share target forwards and still get their solo output."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdecode.api import LLM
+from specdecode.config import SamplingParams
+from specdecode.errors import PromptTooLongError, ServerBusyError
+from specdecode.server.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_pair):
+    target, draft = tiny_pair
+    return LLM(model=str(target), draft=str(draft), method="draft_model", num_speculative_tokens=4,
+               max_seq_len=256, progress=False)
+
+
+def _prompts(llm: LLM, n: int) -> list[list[int]]:
+    return [llm.tokenizer.encode(f"def f{i}(x):\n    return x * {i} + " * (1 + i % 3)) for i in range(n)]
+
+
+async def _collect(scheduler: Scheduler, ids: list[int], params: SamplingParams):
+    job = scheduler.submit(ids, params)
+    text, final = [], None
+    async for event in job:
+        text.append(event.text)
+        if event.output is not None:
+            final = event.output
+    return "".join(text), final
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined"])
+def test_concurrent_requests_equal_solo_greedy(llm, method):
+    prompts = _prompts(llm, 6)
+    params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(6)]
+    solo = [llm.engine.generate(p, q, llm.drafter(method), 4) for p, q in zip(prompts, params)]
+    scheduler = Scheduler(llm, method=method, max_concurrency=4, max_queue=8)
+
+    async def run_all():
+        return await asyncio.gather(*(_collect(scheduler, p, q) for p, q in zip(prompts, params)))
+
+    try:
+        results = asyncio.run(run_all())
+    finally:
+        scheduler.close()
+    for (text, out), alone in zip(results, solo):
+        assert out.token_ids == alone.token_ids
+        assert text == out.text == alone.text
+    assert scheduler.running == 0 and scheduler.waiting == 0
+
+
+def test_queue_full_raises_and_errors_reach_the_request(llm):
+    scheduler = Scheduler(llm, method="ngram", max_concurrency=1, max_queue=0)
+    prompt = _prompts(llm, 1)[0]
+
+    async def scenario():
+        long_job = scheduler.submit(prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+        with pytest.raises(ServerBusyError):
+            scheduler.submit(prompt, SamplingParams(max_tokens=2))
+        with pytest.raises(PromptTooLongError):
+            scheduler.submit(list(range(300)), SamplingParams(max_tokens=2))
+        long_job.cancel()
+        async for _ in long_job:
+            pass
+        for _ in range(100):  # the worker drops the cancelled job at its next step
+            if scheduler.running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert scheduler.running == 0
+        text, out = await _collect(scheduler, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out.token_ids) == 3
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        scheduler.close()
+
+
+def test_seeded_sampling_is_reproducible_under_batching(llm):
+    prompts = _prompts(llm, 3)
+    params = [SamplingParams(max_tokens=15, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True)
+              for i in range(3)]
+    solo = [llm.engine.generate(p, q, llm.drafter("draft_model"), 4) for p, q in zip(prompts, params)]
+    scheduler = Scheduler(llm, method="draft_model", max_concurrency=3)
+
+    async def run_all():
+        return await asyncio.gather(*(_collect(scheduler, p, q) for p, q in zip(prompts, params)))
+
+    try:
+        results = asyncio.run(run_all())
+    finally:
+        scheduler.close()
+    assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
