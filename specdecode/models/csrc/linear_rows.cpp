@@ -97,11 +97,13 @@ constexpr int64_t K_CHUNK = 128;  // floats of k per pass over the row groups, m
 template <int JB>
 void all_rows(const float* x, const float* w, float* y, int64_t n, int64_t in, int64_t out,
               int64_t j0) {
-    if (n == 1) {
-        whole<JB, 1>(x, w, y, in, out, j0, 0);
+    constexpr int JH = JB / 2;
+    if (n <= 3) {  // a single row group: one pass over k, no accumulator round trips
+        if (n == 1) whole<JB, 1>(x, w, y, in, out, j0, 0);
+        if (n == 2) for (int64_t jj = j0; jj < j0 + JB; jj += JH) whole<JH, 2>(x, w, y, in, out, jj, 0);
+        if (n == 3) for (int64_t jj = j0; jj < j0 + JB; jj += JH) whole<JH, 3>(x, w, y, in, out, jj, 0);
         return;
     }
-    constexpr int JH = JB / 2;
     const int64_t kv = in & ~int64_t(7);
     alignas(32) __m256 acc[MAX_ROWS * JH];
     for (int64_t jj = j0; jj < j0 + JB; jj += JH) {
