@@ -1,0 +1,143 @@
+"""``specdecode serve``: the OpenAI-compatible HTTP server (see docs/SERVING.md)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+
+from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS
+from specdecode.errors import InvalidConfigError
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="target: a catalog name (see `specdecode models list`), a local HF folder, "
+                        "a .gguf file or a hub id (default: %(default)s)")
+    p.add_argument("--draft", default=None,
+                   help="draft model for --method draft_model/combined (same vocabulary as the target); "
+                        "defaults to the catalog's pair for the default target")
+    p.add_argument("--method", choices=METHODS, default="none",
+                   help="speculative method for every request: none, ngram, draft_model or combined "
+                        "(default: %(default)s)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, dest="k",
+                   help="most draft tokens proposed per step (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this machine only; "
+                        "0.0.0.0 exposes the server to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: the "
+                        "SPECDECODE_API_KEY environment variable; unset = no key)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the --model value)")
+    p.add_argument("--max-concurrency", type=int, default=4,
+                   help="requests generating at once (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests allowed to wait beyond those; more get HTTP 429 (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=4096,
+                   help="context length to allocate: prompt plus new tokens (default: %(default)s)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted; larger get HTTP 413 (default: %(default)s)")
+    p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
+                   help="let web pages from ORIGIN (e.g. http://localhost:3000, or *) call the API from a "
+                        "browser; repeatable (default: none)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="always draft exactly K tokens (default: adapt the draft length to acceptance)")
+    p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
+                   help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
+                        "exactly the target's either way (default: %(default)s)")
+    p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+                   help="draft model: stop drafting after a token whose draft probability is below "
+                        "this (default: %(default)s)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="server log level (default: %(default)s)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    sock = _listen(args.host, args.port)  # fail fast, before minutes of model loading
+    import uvicorn
+
+    from specdecode.api import LLM
+    from specdecode.server.app import create_app
+    from specdecode.server.scheduler import Scheduler
+
+    llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+              dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
+              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence)
+    scheduler = Scheduler(llm, method=args.method, k=args.k, max_concurrency=args.max_concurrency,
+                          max_queue=args.max_queue)
+    app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
+                     max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins)
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach "
+              "this port can use the model", file=sys.stderr)
+    name = args.served_model_name or args.model
+    print(f"specdecode: serving {name!r} (method {args.method}, k {args.k}) on "
+          f"http://{_url_host(args.host)}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
+    _log_like_uvicorn(args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        scheduler.close()
+    return 0
+
+
+def _log_like_uvicorn(level: str) -> None:
+    """The server's own messages (e.g. a generation that failed mid-stream) next to uvicorn's."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("specdecode")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--max-concurrency", args.max_concurrency, 1), ("--max-queue", args.max_queue, 0),
+                             ("--max-body-bytes", args.max_body_bytes, 1024)):
+        if value < low:
+            raise InvalidConfigError(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise InvalidConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InvalidConfigError("--api-key is empty; give a key or leave the option out")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind now, so a busy port is a one-line error instead of a failure after loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidConfigError(f"--host {host!r} is not an address of this machine: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise InvalidConfigError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,270 @@
+"""The FastAPI application: OpenAI's endpoints over one loaded model and its scheduler.
+
+Bodies are read and parsed here rather than by FastAPI's parameter injection, so that every
+problem (too large, not JSON, wrong field) gets OpenAI's error shape and a 4xx, and nothing a
+client sends can produce a 500. Generation itself happens in the scheduler; this layer only
+validates, submits, and streams or collects the job's events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from specdecode.api import LLM
+from specdecode.config import SamplingParams
+from specdecode.errors import SpecDecodeError
+from specdecode.server.http_errors import APIError, bad_request, from_spec_error, from_validation_error
+from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
+from specdecode.server.protocol import ChunkWriter, chat_body, completion_body, prepare_chat, prepare_completion
+from specdecode.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from specdecode.server.streaming import EventStreamResponse, Job, TrackedJob, collect
+
+log = logging.getLogger("specdecode.server")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a 32k-token context
+_DRAIN_CAP_BYTES = 64 << 20  # read (and drop) at most this much of an oversized body
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/health")
+CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
+
+
+class JobScheduler(Protocol):
+    """What the app needs from ``specdecode.server.scheduler.Scheduler``."""
+
+    running: int
+    waiting: int
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job: ...
+
+
+def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
+               served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               cors_origins: Sequence[str] = ()) -> FastAPI:
+    """An app serving ``llm`` through ``scheduler``. With ``api_key``, every ``/v1`` request needs
+    ``Authorization: Bearer <api_key>``; ``/health`` and ``/metrics`` stay open for probes.
+    ``cors_origins``: web origins whose pages may call the API from a browser (none by default,
+    so a page the user visits cannot drive a server on their loopback)."""
+    served = served_model_name or llm.model_name
+    names = {served, llm.model_name}
+    method = getattr(scheduler, "method", None) or llm.spec.method
+    k = getattr(scheduler, "k", None) or llm.spec.num_speculative_tokens
+    metrics = ServerMetrics(scheduler, served, method, k)
+    created = int(time.time())
+
+    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+    app.state.metrics = metrics
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name not in names:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{served}`",
+                           param="model", code="model_not_found")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @v1.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return ModelList(data=[ModelCard(id=served, created=created)]).model_dump(mode="json")
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return ModelCard(id=served, created=created).model_dump(mode="json")
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = _parse(CompletionRequest, await _read_json(request, max_body_bytes))
+        return await generate(request, req, chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = _parse(ChatCompletionRequest, await _read_json(request, max_body_bytes))
+        return await generate(request, req, chat=True)
+
+    async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
+        check_model(req.model)
+        problem = req.unsupported()
+        if problem is not None:
+            raise bad_request(problem[1], problem[0], "unsupported_parameter")
+        try:  # e.g. a model without a chat template, or a prompt the engine refuses
+            prepared = prepare_chat(req, llm) if chat else prepare_completion(req, llm)
+            job = scheduler.submit(prepared.prompt_ids, prepared.params)
+        except SpecDecodeError as exc:
+            raise from_spec_error(exc) from None
+        tracked = TrackedJob(job, metrics)
+        if req.stream:
+            return EventStreamResponse(_sse(tracked, ChunkWriter(chat, served, req.include_usage)))
+        try:
+            output = await collect(tracked, request.receive)
+        except SpecDecodeError as exc:
+            raise from_spec_error(exc) from None
+        if output is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(chat_body(served, output) if chat else completion_body(served, output))
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _sse(tracked: TrackedJob, writer: ChunkWriter) -> AsyncIterator[str]:
+    """The stream's events; an error after the headers went out becomes an error event."""
+    for event in writer.start():
+        yield event
+    try:
+        async with contextlib.aclosing(tracked.events()) as events:
+            async for event in events:
+                if event.text:
+                    yield writer.text(event.text)
+                if event.output is not None:
+                    for chunk in writer.end(event.output):
+                        yield chunk
+                    return
+    except SpecDecodeError as exc:
+        err = from_spec_error(exc)
+    except APIError as exc:
+        err = exc
+    except Exception:
+        log.exception("generation failed mid-stream")
+        err = APIError(500, "internal error during generation", type="server_error")
+    for chunk in writer.error(err):
+        yield chunk
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, at most ``limit`` bytes; anything else is a 4xx."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        await _drain(request.receive)
+        raise _too_large(limit)
+    body = bytearray()
+    while True:
+        message = await request.receive()
+        if message["type"] != "http.request":  # the client left before sending it all
+            raise bad_request("the request body ended early")
+        body += message.get("body", b"")
+        if len(body) > limit:
+            await _drain(request.receive)
+            raise _too_large(limit)
+        if not message.get("more_body", False):
+            break
+    if not body.strip():
+        raise bad_request("the request body is empty: send a JSON object")
+    try:
+        data = json.loads(body, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:  # JSON may escape lone UTF-16 surrogates ("\ud800"), which no tokenizer can take
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("the request body contains a lone UTF-16 surrogate (an invalid \\uXXXX escape)",
+                          code="invalid_json") from None
+    return data
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def _drain(receive: Receive) -> None:
+    """Read the rest of an oversized body so the client sees our 413 rather than a reset."""
+    seen = 0
+    while seen < _DRAIN_CAP_BYTES:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        seen += len(message.get("body", b""))
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no endpoint {request.method} {request.url.path}; the API lives under /v1"
+    else:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+    return APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None,
+                    headers=dict(exc.headers or {})).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("internal error on %s %s: %r (traceback follows from the server)", request.method,
+              request.url.path, exc)
+    return APIError(500, "internal server error", type="server_error").response()
+
+
+class _CountRequests:
+    """ASGI middleware: count every response by endpoint and status (500 if none was sent)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def record(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.request(path if path in ENDPOINTS else "other", status)

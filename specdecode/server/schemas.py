@@ -1,0 +1,334 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic v2).
+
+Requests are strict: a wrong type is an error rather than a silent coercion ("0.5" is not a
+temperature), and an unknown field is an error, as with OpenAI, so a misspelt option is never
+ignored. Options OpenAI defines but we do not implement are accepted by the schema and refused by
+:meth:`_GenerationRequest.unsupported` with a message that names them. Responses mirror OpenAI's
+objects field for field, plus ``spec_decode``: the request's speculative-decoding statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+_REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST_CONFIG
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's padding option; nothing to pad here
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = _REQUEST_CONFIG
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 or 0 = off
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
+    stop: tuple[str, ...] = ()
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False  # vLLM's extension: generate max_tokens even past EOS
+    n: int | None = Field(default=None, ge=1)
+    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: str | None = None  # an end-user id for the caller's own logs; changes nothing
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}")
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return tuple(value)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first option given that this server cannot honour."""
+        checks: list[tuple[str, bool, str]] = [
+            ("n", (self.n or 1) > 1, "n > 1 is not supported: send one request per completion"),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported (use 0)"),
+            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported (use 0)"),
+            ("stream_options", self.stream_options is not None and not self.stream,
+             "stream_options is only allowed when stream is true"),
+        ]
+        checks += self._own_checks()
+        for param, given, message in checks:
+            if given:
+                return param, message
+        return None
+
+    def _own_checks(self) -> list[tuple[str, bool, str]]:
+        return []
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one raw prompt, text or token ids."""
+
+    prompt: str | list[int]
+    best_of: int | None = Field(default=None, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[int]:
+        """A string, a list of token ids, or a one-element list of either (OpenAI's batch forms)."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a string, a list of token ids, or a one-element list of those")
+        if all(_is_int(t) for t in value):
+            return value
+        if len(value) > 1:
+            raise ValueError("several prompts in one request are not supported: send one request per prompt")
+        only = value[0]
+        if isinstance(only, str) or (isinstance(only, list) and only and all(_is_int(t) for t in only)):
+            return only
+        raise ValueError("prompt must be a string, a list of token ids, or a one-element list of those")
+
+    def _own_checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("best_of", (self.best_of or 1) > 1, "best_of > 1 is not supported"),
+            ("echo", bool(self.echo), "echo is not supported"),
+            ("logprobs", self.logprobs is not None, "logprobs are not supported yet"),
+            ("suffix", bool(self.suffix), "suffix (insertion) is not supported"),
+        ]
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ChatMessage(BaseModel):
+    """One message in. ``content`` is text or a list of text parts; tool turns are refused."""
+
+    model_config = _REQUEST_CONFIG
+
+    role: str
+    content: Any = None  # str | list of text parts; checked below for a clearer message than a union's
+    name: str | None = None
+    # Fields the openai client echoes back when a reply is appended to the conversation: allowed
+    # while empty, refused when they carry something we cannot represent.
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: list[Any] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        if value in ("tool", "function"):
+            raise ValueError(f"messages with role '{value}' are not supported: this server does not implement tools")
+        if value not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {value!r}")
+        return value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> str | list[Any] | None:
+        if value is not None and not isinstance(value, (str, list)):
+            raise ValueError("content must be a string or a list of text parts")
+        if isinstance(value, list):
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+                if set(part) - {"type", "text"}:
+                    raise ValueError(f"unknown keys in a content part: {sorted(set(part) - {'type', 'text'})}")
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part["text"] for part in self.content)
+        return self.content or ""
+
+    def unsupported(self) -> str | None:
+        if self.tool_calls or self.tool_call_id or self.function_call or self.audio:
+            return "tool calls and audio in messages are not supported"
+        if self.content is None:
+            return "content is required (text or a list of text parts)"
+        return None
+
+    def for_template(self) -> dict[str, str]:
+        """The role/content dict chat templates expect (``developer`` is OpenAI's new ``system``)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    # Bookkeeping for OpenAI's platform; nothing to do with the output, accepted and ignored.
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _own_checks(self) -> list[tuple[str, bool, str]]:
+        fmt = (self.response_format or {}).get("type", "text")
+        checks = [
+            ("logprobs", bool(self.logprobs), "logprobs are not supported yet"),
+            ("top_logprobs", self.top_logprobs is not None, "top_logprobs are not supported yet"),
+            ("tools", bool(self.tools), "tools are not supported"),
+            ("tool_choice", self.tool_choice not in (None, "none"), "tool_choice is not supported"),
+            ("functions", bool(self.functions), "functions are not supported"),
+            ("function_call", self.function_call not in (None, "none"), "function_call is not supported"),
+            ("response_format", fmt != "text", f"response_format {fmt!r} is not supported (only 'text')"),
+            ("modalities", self.modalities not in (None, ["text"]), "only the 'text' modality is supported"),
+            ("audio", self.audio is not None, "audio output is not supported"),
+            ("prediction", self.prediction is not None, "predicted outputs are not supported"),
+            ("reasoning_effort", self.reasoning_effort is not None, "reasoning_effort is not supported"),
+            ("verbosity", self.verbosity is not None, "verbosity is not supported"),
+            ("web_search_options", self.web_search_options is not None, "web search is not supported"),
+        ]
+        for i, message in enumerate(self.messages):
+            problem = message.unsupported()
+            checks.append((f"messages.{i}", problem is not None, problem or ""))
+        return checks
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpecDecodeStats(BaseModel):
+    """The request's speculative-decoding statistics, with vLLM's definitions (see stats.py)."""
+
+    method: str
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    mean_acceptance_length: float
+    acceptance_rate: float
+    accepted_per_position: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of each stream chunk (OpenAI uses ``text_completion`` for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    spec_decode: SpecDecodeStats | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+    spec_decode: SpecDecodeStats
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    spec_decode: SpecDecodeStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specdecode"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

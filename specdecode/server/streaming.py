@@ -1,0 +1,130 @@
+"""Following one scheduler job to its end, or cancelling it when the client leaves.
+
+A generation holds a scheduler slot (and KV memory) until it finishes, so a client that goes away
+must stop it at once. Both response paths watch the connection while the job runs: streams with
+:class:`EventStreamResponse` (it listens for ``http.disconnect`` beside the writer, whatever ASGI
+spec version the server speaks), plain responses with :func:`collect`. Either way the events of a
+job pass through :meth:`TrackedJob.events`, whose ``finally`` cancels a job that did not finish
+and which records the timings and statistics of one that did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from specdecode.engine import GenerationOutput, StreamEvent
+from specdecode.server.http_errors import APIError
+from specdecode.server.metrics import ServerMetrics
+
+
+class Job(Protocol):
+    """The scheduler's handle on one request (see ``scheduler.Job``)."""
+
+    def cancel(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]: ...
+
+
+class TrackedJob:
+    """A job plus what its response and the metrics need: timings and the final output."""
+
+    def __init__(self, job: Job, metrics: ServerMetrics) -> None:
+        self.job, self.metrics = job, metrics
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.output: GenerationOutput | None = None
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """The job's events; raises what the engine raised. Closing this early cancels the job."""
+        outcome = "cancelled"
+        source = aiter(self.job)
+        try:
+            async for event in source:
+                now = time.perf_counter()
+                if event.token_ids and self.first_token_at is None:
+                    self.first_token_at = now
+                if event.output is not None:
+                    outcome = "done"
+                    self.output = event.output
+                    ttft = None if self.first_token_at is None else self.first_token_at - self.submitted
+                    self.metrics.finished(event.output, ttft, now - self.submitted)
+                yield event
+            if self.output is None:
+                outcome = "error"
+                raise APIError(503, "the generation stopped before finishing (is the server shutting down?)",
+                               type="server_error", code="generation_aborted")
+        except Exception:
+            if outcome != "done":
+                outcome = "error"
+            raise
+        finally:
+            if outcome == "cancelled":  # closed early: GeneratorExit or task cancellation
+                self.job.cancel()
+                self.metrics.cancelled.inc()
+            close = getattr(source, "aclose", None)
+            if close is not None:  # leave no suspended generator behind for the garbage collector
+                await close()
+
+
+async def collect(tracked: TrackedJob, receive: Receive) -> GenerationOutput | None:
+    """Run a job to its output; None (and the job cancelled) if the client disconnects first."""
+
+    async def run() -> GenerationOutput | None:
+        async with contextlib.aclosing(tracked.events()) as events:
+            async for _ in events:
+                pass
+        return tracked.output
+
+    task = asyncio.ensure_future(run())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping this handler: stop the job too
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():  # the client left first
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStreamResponse(StreamingResponse):
+    """``text/event-stream`` that stops writing, and closes its event source (cancelling the job),
+    as soon as the client disconnects."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def first_to_end(step: Callable[[], Awaitable[Any]]) -> None:
+                    with contextlib.suppress(OSError):  # writing to a closed connection
+                        await step()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(first_to_end, lambda: self.stream_response(send))
+                group.start_soon(first_to_end, lambda: self.listen_for_disconnect(receive))
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()

@@ -1,0 +1,125 @@
+"""``specdecode serve`` as a process, and the bounded load-test script."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+from server_support import LiveServer, metric, wait_until
+
+from specdecode import LLM
+from specdecode.server import loadtest
+from specdecode.server.app import create_app
+from specdecode.server.scheduler import Scheduler
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_help_lists_the_issue_flags():
+    res = subprocess.run([sys.executable, "-m", "specdecode.cli", "serve", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0
+    for flag in ("--model", "--draft", "--method", "-k", "--host", "--port", "--api-key", "--max-concurrency",
+                 "--max-queue", "--max-seq-len", "--draft-quantize", "--served-model-name"):
+        assert flag in res.stdout
+
+
+def test_serve_busy_port_is_one_line_exit_2():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        res = subprocess.run([sys.executable, "-m", "specdecode.cli", "serve", "--model", "unused",
+                              "--port", str(taken.getsockname()[1])], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert "cannot listen" in res.stderr
+
+
+def test_serve_end_to_end(tiny_pair):
+    target, draft = tiny_pair
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(target), "--draft", str(draft),
+         "--method", "ngram", "-k", "3", "--port", str(port), "--served-model-name", "tiny",
+         "--api-key", "k3y", "--max-seq-len", "256", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y", max_retries=0, timeout=30)
+
+        def up() -> bool:
+            try:
+                return client.models.list().data[0].id == "tiny"
+            except openai.APIConnectionError:
+                assert proc.poll() is None, proc.communicate()[1]
+                return False
+
+        assert wait_until(up, timeout=120)
+        resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ab ab ab"}],
+                                              max_tokens=12, temperature=0)
+        assert resp.model_extra["spec_decode"]["method"] == "ngram"
+        assert resp.usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError, match="at most"):
+            client.completions.create(model="tiny", prompt="a", max_tokens=300)  # --max-seq-len 256
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    assert f"on http://127.0.0.1:{port}/v1" in stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_pair):
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), method="draft_model", num_speculative_tokens=3,
+              max_seq_len=512, progress=False)
+    scheduler = Scheduler(llm, max_concurrency=2, max_queue=8)
+    with LiveServer(create_app(llm, scheduler, served_model_name="tiny")) as server:
+        yield server
+    scheduler.close()
+
+
+def test_loadtest_runs_bounded_and_reports(tiny_server, capsys):
+    start = time.monotonic()
+    code = loadtest.main(["--url", tiny_server.url + "/v1", "--concurrency", "1,3", "--requests", "5",
+                          "--max-tokens", "6", "--workload", "code", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and time.monotonic() - start < 60
+    assert out["model"] == "tiny" and [lv["concurrency"] for lv in out["levels"]] == [1, 3]
+    for level in out["levels"]:
+        assert level["ok"] == level["requests"] == 5 and level["errors"] == 0
+        assert 0 < level["latency_p50_s"] <= level["latency_p99_s"]
+        assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"]
+        assert level["output_tokens_per_s"] > 0 and level["mean_acceptance_length"] >= 1.0
+    # 1 warm-up + 2 levels x 5 requests, all counted by the server
+    assert metric(tiny_server.metrics(), "specdecode_requests_total", endpoint="/v1/chat/completions",
+                  status="200") == 11
+
+
+def test_loadtest_table_and_refusals(tiny_server, capsys):
+    assert loadtest.main(["--url", tiny_server.url, "--concurrency", "2", "--requests", "2", "--max-tokens", "3",
+                          "--api", "completions", "--warmup", "0"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| clients |") and "\n| 2 | 2 | 2 |" in table
+    assert loadtest.main(["--url", "http://192.0.2.1:8000", "--requests", "1"]) == 2  # not loopback
+    assert "loopback" in capsys.readouterr().err
+    assert loadtest.main(["--url", tiny_server.url, "--concurrency", "0"]) == 2
+    # a wrong model name: every request fails, reported, exit 1, and still bounded
+    assert loadtest.main(["--url", tiny_server.url, "--model", "nope", "--requests", "2", "--concurrency", "1",
+                          "--warmup", "0"]) == 1
+    assert "HTTP 404" in capsys.readouterr().err
+
+
+def test_percentile():
+    assert loadtest.percentile([], 0.5) == 0.0
+    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
+    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0], 0.99) == pytest.approx(3.97)
+    assert loadtest.percentile([5.0], 0.99) == 5.0
