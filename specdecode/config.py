@@ -19,6 +19,9 @@ DEFAULT_DRAFT_CONFIDENCE = 0.0  # 0 = never stop drafting early; not yet tuned o
 DRAFT_QUANTIZE_CHOICES = ("int8", "none")
 DEFAULT_DRAFT_QUANTIZE = "int8"
 DTYPES = ("float32", "bfloat16")
+# Below this a temperature is greedy decoding in all but name, and dividing float32 logits by it
+# overflows (1e-300 is 0 in float32); vLLM draws the same line.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,10 @@ class PromptTooLongError(SpecDecodeError):
     """The prompt (plus at least one new token) does not fit in the model's context."""
 
 
+class InvalidPromptError(SpecDecodeError, ValueError):
+    """The prompt text cannot be tokenized (e.g. it holds a lone UTF-16 surrogate)."""
+
+
 class InvalidSamplingParamsError(SpecDecodeError, ValueError):
     """A sampling value outside its valid range (negative temperature, top_p outside (0, 1], ...)."""
 

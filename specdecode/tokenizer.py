@@ -19,7 +19,7 @@ from typing import Any
 
 import tokenizers
 
-from specdecode.errors import ModelNotFoundError, UnsupportedModelError
+from specdecode.errors import InvalidPromptError, ModelNotFoundError, UnsupportedModelError
 
 _REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 
@@ -69,7 +69,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. Special-token texts like ``<|im_start|>`` map to their ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except (TypeError, UnicodeError) as exc:  # e.g. a lone surrogate, which has no UTF-8 form
+            raise InvalidPromptError(f"the prompt cannot be tokenized: {exc}") from exc
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -273,3 +273,11 @@ def _normal_upper_quantile(alpha: float) -> float:
         else:
             hi = mid
     return lo
+
+
+def test_vanishing_temperature_is_greedy():
+    """1e-300 is 0 in float32: dividing logits by it would overflow, so it decodes greedily."""
+    from specdecode.config import SamplingParams
+
+    assert SamplingParams(temperature=1e-300).greedy and SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=1e-4).greedy

@@ -257,3 +257,11 @@ def test_qwen_tokenizer_equals_transformers_gguf_tokenizer(tmp_path: Path) -> No
     ours = _tokenizer_from_gguf(joined, tmp_path / "tok")
     assert ours.vocab_size == 151936 and ours.eos_token_ids == {151643, 151645}
     _compare_with_transformers(ours, joined)
+
+
+def test_untokenizable_prompt_is_a_named_error(tiny_pair):
+    from specdecode.errors import InvalidPromptError
+    from specdecode.tokenizer import Tokenizer
+
+    with pytest.raises(InvalidPromptError):
+        Tokenizer.from_dir(tiny_pair[0]).encode("ok \ud800")
