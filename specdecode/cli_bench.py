@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdecode.cli_generate import DRAFT_CONFIDENCE_HELP
 from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES, DTYPES,
                                METHODS, SamplingParams)
 from specdecode.errors import InvalidConfigError
@@ -64,8 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft model weights: int8 (cheaper drafts) or none (the --dtype); output "
                         "unchanged either way (default: %(default)s)")
     p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
-                   help="draft model stops drafting after a token it gives less than this probability "
-                        "(default: %(default)s)")
+help=DRAFT_CONFIDENCE_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
                                         "summarization, rag, math, translation, or all")

@@ -12,6 +12,10 @@ from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE,
 from specdecode.errors import InvalidConfigError
 
 
+DRAFT_CONFIDENCE_HELP = ("draft model: stop drafting once the draft's probability for its draft so far (the product "
+                         "of its token probabilities) falls below this; 0 never stops early "
+                         "(default: %(default)s)")
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
                    help="target: a catalog name (see `specdecode models list`), a local HF folder, "
@@ -43,8 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="always draft exactly K tokens (default: adapt the draft length to acceptance, "
                         "up to K)")
     p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
-                   help="draft model: stop drafting after a token whose draft probability is below "
-                        "this (default: %(default)s)")
+help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
                    help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
                         "exactly the target's either way (default: %(default)s)")

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 
+from specdecode.cli_generate import DRAFT_CONFIDENCE_HELP
 from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS
 from specdecode.errors import InvalidConfigError
 
@@ -54,8 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
                         "exactly the target's either way (default: %(default)s)")
     p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
-                   help="draft model: stop drafting after a token whose draft probability is below "
-                        "this (default: %(default)s)")
+help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="server log level (default: %(default)s)")
     p.set_defaults(run=run)

@@ -13,7 +13,9 @@ from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 
 METHODS = ("none", "ngram", "draft_model", "combined")
 MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
-DEFAULT_DRAFT_CONFIDENCE = 0.0  # 0 = never stop drafting early; not yet tuned on real models
+# Stop drafting once the draft's probability for its draft so far drops below this. 0.5 was the
+# best of 0-0.7 (per-token and cumulative rules) on five workloads; docs/PERFORMANCE.md.
+DEFAULT_DRAFT_CONFIDENCE = 0.5
 # int8 drafts cost a quarter of the fp32 bytes per token and left acceptance unchanged on the
 # default pair (docs/PERFORMANCE.md); "none" keeps the draft in the model dtype.
 DRAFT_QUANTIZE_CHOICES = ("int8", "none")

@@ -39,7 +39,7 @@ def tiny_llms(tiny_pair):
     def make(**options) -> LLM:
         return LLM(model=str(target), draft=str(draft), max_seq_len=256, progress=False, **options)
 
-    return {"default": make(), "fixed": make(adaptive=False), "confident": make(draft_confidence=0.6),
+    return {"default": make(), "fixed": make(adaptive=False, draft_confidence=0.0), "confident": make(draft_confidence=0.6),
             "int8": make(draft_quantize="int8")}
 
 

@@ -1,8 +1,11 @@
 """Draft-model drafting: a small model of the same vocabulary proposes K tokens autoregressively.
 
-Drafting stops early once the draft is unsure: a draft token whose probability under the draft
-is below ``confidence`` is still proposed (verifying it costs almost nothing), but no further
-tokens are drafted after it, since they would rarely survive and each costs a draft forward.
+Drafting stops early once the draft is unsure of its draft so far: when the product of the draft's
+probabilities for its tokens (its own estimate that every one of them survives verification)
+falls below ``confidence``, the last token is still proposed (verifying it costs almost nothing)
+but no further tokens are drafted, since they would rarely survive and each costs a draft
+forward. A running product rather than each token's own probability: a later token only counts
+if all before it are accepted.
 
 The draft keeps its own KV cache. It caches every committed token it has been fed; at each
 ``propose`` it first feeds the committed tokens it has not seen (the last token, and after a fully
@@ -49,15 +52,18 @@ class DraftModelDrafter:
         self._cached = len(seq.token_ids)
         params = seq.params
         tokens, probs = [], []
+        cumulative = 1.0
         for i in range(k):
             if params.greedy:
                 token = greedy(logits)
-                sure = self.confidence <= 0 or float(torch.softmax(logits[0], -1)[token]) >= self.confidence
+                p_token = 1.0 if self.confidence <= 0 else float(torch.softmax(logits[0], -1)[token])
             else:
                 p = logits_to_probs(logits, params)
                 token = sample(p, seq.generator)
                 probs.append(p[0])
-                sure = float(p[0, token]) >= self.confidence
+                p_token = float(p[0, token])
+            cumulative *= p_token
+            sure = cumulative >= self.confidence
             tokens.append(token)
             if i + 1 == k or not sure:
                 break
