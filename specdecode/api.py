@@ -46,8 +46,10 @@ class LLM:
         draft_quantize: str | None = DEFAULT_DRAFT_QUANTIZE,
     ) -> None:
         """``adaptive``: the draft length follows each request's acceptance, up to
-        ``num_speculative_tokens`` (False: always exactly that many). ``draft_confidence``: the
-        draft model stops drafting after a token it gives less than this probability.
+        ``num_speculative_tokens`` (False: that many every step). ``draft_confidence``: the draft
+        model stops drafting once its probability for the draft so far (the product of its token
+        probabilities) falls below this; 0 never stops early, so with ``adaptive=False`` every
+        draft has exactly ``num_speculative_tokens`` tokens.
         ``draft_quantize``: "int8" (the default) gives the draft int8 weights, cheaper drafts with
         exactness unaffected; None or "none" keeps it in ``dtype``. Without fbgemm (non-x86
         builds of torch) int8 falls back to ``dtype`` with a warning."""

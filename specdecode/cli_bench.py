@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ks.add_argument("--sweep-k", default=None, metavar="K1,K2,...",
                     help="run each speculative method at each K, e.g. 1,2,4,8; the advice names the best K")
     p.add_argument("--k-schedule", choices=("adaptive", "fixed", "both"), default="adaptive",
-                   help="adaptive: the draft length follows acceptance, up to K; fixed: always K; both: "
+                   help="adaptive: the draft length follows acceptance, up to K; fixed: K every step (the draft model still stops early by --draft-confidence); both: "
                         "each method twice, fixed-K rows named METHOD+fixed (default: %(default)s)")
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
                    help="draft model weights: int8 (cheaper drafts) or none (the --dtype); output "

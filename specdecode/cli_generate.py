@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
     p.add_argument("--fixed-k", action="store_true",
-                   help="always draft exactly K tokens (default: adapt the draft length to acceptance, "
-                        "up to K)")
+                   help="do not adapt the draft length to acceptance: draft up to K every step; the draft model "
+                        "still stops early by --draft-confidence (0 there: exactly K)")
     p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
 help=DRAFT_CONFIDENCE_HELP)
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,

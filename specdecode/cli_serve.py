@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "browser; repeatable (default: none)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--fixed-k", action="store_true",
-                   help="always draft exactly K tokens (default: adapt the draft length to acceptance)")
+                   help="do not adapt the draft length to acceptance: draft up to K every step; the draft model "
+                        "still stops early by --draft-confidence (0 there: exactly K)")
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
                    help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
                         "exactly the target's either way (default: %(default)s)")

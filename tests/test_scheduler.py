@@ -95,3 +95,52 @@ def test_seeded_sampling_is_reproducible_under_batching(llm):
     finally:
         scheduler.close()
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
+
+
+def test_abandoned_waiters_do_not_hold_queue_places(llm):
+    scheduler = Scheduler(llm, method="ngram", max_concurrency=1, max_queue=1)
+    prompt = _prompts(llm, 1)[0]
+
+    async def scenario():
+        running = scheduler.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+        while scheduler.running == 0:  # the worker admits it
+            await asyncio.sleep(0.005)
+        waiter = scheduler.submit(prompt, SamplingParams(max_tokens=2))
+        waiter.cancel()  # the client gave up while queued
+        assert scheduler.waiting == 0
+        again = scheduler.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True))  # not 429
+        running.cancel()
+        text, out = "", None
+        async for event in again:
+            out = event.output or out
+        assert len(out.token_ids) == 2
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        scheduler.close()
+
+
+def test_worker_survives_a_closed_event_loop_and_close_ends_every_job(llm):
+    scheduler = Scheduler(llm, method="none", max_concurrency=2, max_queue=4)
+    prompt = _prompts(llm, 1)[0]
+
+    async def abandon():  # submit, then let asyncio.run close the loop under the running job
+        scheduler.submit(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+        await asyncio.sleep(0.05)
+
+    asyncio.run(abandon())
+    text, out = asyncio.run(_collect(scheduler, prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert len(out.token_ids) == 3 and scheduler.alive
+
+    async def shut_down_mid_request():
+        job = scheduler.submit(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.close)
+        events = [event async for event in job]
+        assert all(event.output is None for event in events)  # ended without an output
+        with pytest.raises(ServerBusyError):
+            scheduler.submit(prompt, SamplingParams(max_tokens=2))
+
+    asyncio.run(shut_down_mid_request())
+    assert not scheduler.alive and scheduler.running == 0

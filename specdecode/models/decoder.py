@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from specdecode.cache import KVCache
+from specdecode.config import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidConfigError
 from specdecode.models import kernels, quant
 from specdecode.models.config import ModelConfig
@@ -145,11 +146,16 @@ class Decoder:
         return list(logits.split(1 if last_only else [v.n for v in views]))
 
     def _rows_linear(self, x: Tensor, w: Tensor) -> Tensor:
-        """``self._linear`` in row chunks below ``kernels.PREFILL_ROWS``: a batch of many
-        sequences' decode rows must stay on the invariant kernels, never go to BLAS GEMM."""
-        if x.shape[0] <= kernels.PREFILL_ROWS:
+        """``self._linear`` for the decode rows of many sequences, which must stay on the
+        invariant kernels: the native kernel takes any row count in one pass over the weights;
+        other paths get chunks no wider than one verify step, the range their invariance was
+        measured over."""
+        if self._linear is kernels.linear_native:
+            return kernels.linear_native(x, w, invariant=True)
+        step_rows = MAX_SPECULATIVE_TOKENS + 1
+        if x.shape[0] <= step_rows:
             return self._linear(x, w)
-        return torch.cat([self._linear(c, w) for c in x.split(kernels.PREFILL_ROWS)])
+        return torch.cat([self._linear(c, w) for c in x.split(step_rows)])
 
     def _layer(self, x, w: LayerWeights, i: int, views: list[_SegmentView], cos, sin, linear) -> Tensor:
         cfg = self.config

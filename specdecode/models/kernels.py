@@ -55,11 +55,12 @@ def linear_fast(x: Tensor, w: Tensor) -> Tensor:
     return torch.nn.functional.linear(x, w)
 
 
-def linear_native(x: Tensor, w: Tensor) -> Tensor:
-    """The native batch-invariant kernel (float32, AVX2; see ``native.py``); BLAS for prefills."""
+def linear_native(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
+    """The native batch-invariant kernel (float32, AVX2; see ``native.py``); BLAS for prefills
+    (more than ``PREFILL_ROWS`` rows) unless ``invariant`` insists."""
     from specdecode.models import native
 
-    if x.shape[0] > PREFILL_ROWS:
+    if x.shape[0] > PREFILL_ROWS and not invariant:
         return torch.nn.functional.linear(x, w)
     return native.load().linear_rows(x.contiguous(), w)
 

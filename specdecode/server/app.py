@@ -132,8 +132,10 @@ def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
     app.include_router(v1)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if not getattr(scheduler, "alive", True):  # closed, or its worker thread died
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -169,7 +171,7 @@ async def _sse(tracked: TrackedJob, writer: ChunkWriter) -> AsyncIterator[str]:
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object, at most ``limit`` bytes; anything else is a 4xx."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         await _drain(request.receive)
         raise _too_large(limit)
     body = bytearray()

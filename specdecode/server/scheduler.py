@@ -49,16 +49,26 @@ class Job:
         self.cancelled.set()
 
     def _emit(self, item: object) -> None:  # called from the worker thread
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            self.cancelled.set()
 
     async def __aiter__(self) -> AsyncIterator[StreamEvent]:
-        while True:
-            item = await self.events.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        over = False
+        try:
+            while True:
+                item = await self.events.get()
+                if item is _DONE:
+                    over = True
+                    return
+                if isinstance(item, BaseException):
+                    over = True
+                    raise item
+                yield item
+        finally:
+            if not over:  # the consumer stopped early (closed, cancelled, timed out)
+                self.cancel()
 
 
 class Scheduler:
@@ -88,13 +98,21 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return sum(not job.cancelled.is_set() for job in list(self._queue))
+
+    @property
+    def alive(self) -> bool:
+        """False once closed or if the worker thread died (a bug); feeds ``/health``."""
+        return self._thread.is_alive() and not self._closed
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job:
         """Queue a request; call from the event loop. Raises ServerBusyError when full."""
         job = Job(list(prompt_ids), params, asyncio.get_running_loop())
         self.llm.engine.check_prompt(job.prompt_ids)
         with self._lock:
+            if not self.alive:
+                raise ServerBusyError("the server is shutting down; retry on another instance")
+            self._drop_cancelled_waiters()  # abandoned requests must not hold queue places
             if len(self._queue) + len(self._running) >= self.max_concurrency + self.max_queue:
                 raise ServerBusyError(
                     f"server is at capacity ({self.max_concurrency} running, {self.max_queue} waiting); "
@@ -104,11 +122,19 @@ class Scheduler:
             self._lock.notify()
         return job
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: every queued or running request ends at once without an output (the HTTP layer
+        answers 503); returns when the worker has finished its current forward, or after
+        ``timeout`` seconds."""
         with self._lock:
             self._closed = True
             self._lock.notify()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
+
+    def _drop_cancelled_waiters(self) -> None:  # holding the lock
+        for job in [j for j in self._queue if j.cancelled.is_set()]:
+            self._queue.remove(job)
+            job._emit(_DONE)
 
     def _work(self) -> None:
         active: list[tuple[Job, Generation]] = []
@@ -117,17 +143,28 @@ class Scheduler:
                 while not self._queue and not active and not self._closed:
                     self._lock.wait()
                 if self._closed:
-                    return
+                    break
+                self._drop_cancelled_waiters()
                 admitted = []
                 while self._queue and len(active) + len(admitted) < self.max_concurrency:
                     job = self._queue.popleft()
                     self._running.add(job)
                     admitted.append(job)
-            for job in admitted:
-                gen = self._start(job)
-                if gen is not None:
-                    active.append((job, gen))
-            active = self._step(active)
+            try:
+                for job in admitted:
+                    gen = self._start(job)
+                    if gen is not None:
+                        active.append((job, gen))
+                active = self._step(active)
+            except Exception as exc:  # noqa: BLE001 - a bug: fail the requests in hand, keep serving
+                for job in admitted + [job for job, _ in active]:
+                    job._emit(exc)
+                    self._release(job)
+                active = []
+        with self._lock:  # closed: end everything still here
+            for job in list(self._queue) + [job for job, _ in active] + list(self._running):
+                self._release(job)
+            self._queue.clear()
 
     def _start(self, job: Job) -> Generation | None:
         """Prefill a newly admitted request; None when it is already over (or failed)."""
@@ -162,7 +199,7 @@ class Scheduler:
                 continue
             if inputs is None:  # cancelled, or the context is full
                 if not job.cancelled.is_set():
-                    job._emit(gen.finish())
+                    job._emit(gen.finish())  # cannot raise: it only packs what is there
                 self._release(job)
             else:
                 batch.append((job, gen, inputs))
@@ -191,9 +228,10 @@ class Scheduler:
         return still
 
     def _release(self, job: Job) -> None:
-        job._emit(_DONE)
+        """Free the job's slot (its cache and drafter go with its Generation) and end its stream."""
         with self._lock:
             self._running.discard(job)
+        job._emit(_DONE)
 
 
 class _Cancelled(Exception):
