@@ -96,7 +96,8 @@ def test_specbench_loader_rejects_bad_files(tmp_path, content, message):
 
 def test_bench_end_to_end_shapes(tiny_pair, tmp_path, capsys):
     code, summary, rows = bench(tmp_path, *pair_args(tiny_pair), "--methods", "none,draft_model",
-                                "--workload", "chat,math", "--limit", "1", "--max-tokens", "12", "-k", "3")
+                                "--workload", "chat,math", "--limit", "1", "--max-tokens", "12", "-k", "3",
+                                "--draft-confidence", "0")  # a random tiny draft is never confident
     assert code == 0, capsys.readouterr().err
     out = tmp_path / "out"
     for name in ("results.jsonl", "summary.json", "summary.md", "speedup_by_category.png",
@@ -149,7 +150,7 @@ def test_sweep_k_rows_and_advice(tiny_pair, tmp_path):
 def test_k_schedule_both_adds_fixed_rows(tiny_pair, tmp_path):
     code, summary, rows = bench(tmp_path, *pair_args(tiny_pair), "--methods", "draft_model", "--workload", "code",
                                 "--limit", "1", "--max-tokens", "10", "-k", "4", "--k-schedule", "both",
-                                "--draft-quantize", "int8")
+                                "--draft-quantize", "int8", "--draft-confidence", "0")
     assert code == 0
     assert list(summary["methods"]) == ["none", "draft_model", "draft_model+fixed"]
     assert all(r["identical"] for r in rows if r["method"] != "none")
