@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     print(f"target {llm.model_name}, draft {llm.draft_name}, fp32, greedy, {args.max_tokens} new tokens, "
           f"K={args.k}\n")
+    # Warm-up: a process's first forwards page the weights in from disk; untimed, every method.
+    warm = llm.chat_prompt_ids([{"role": "user", "content": "Hi"}])
+    for method in METHODS:
+        llm.engine.generate(warm, SamplingParams(max_tokens=8), llm.drafter(method), args.k)
     header = f"{'prompt':10} {'method':12} {'tok/s':>7} {'speedup':>8} {'tau':>5} {'accept':>7}  identical"
     print(header)
     print("-" * len(header))

@@ -26,8 +26,10 @@ MIN_GEMM_ROWS = 8  # fewer rows than this take BLAS small-matrix paths; we pad u
 
 # Calls with more rows than this are prompt prefills, never decode or verify steps (K <= 32).
 # A prefill is the same call for every method, so it needs no invariance and takes BLAS GEMM,
-# which is compute-efficient at many rows where the row-streaming kernels are not.
-PREFILL_ROWS = 64
+# which is compute-efficient at many rows where the row-streaming kernels are not. Measured on
+# the 1.5B target (a timed prefill of N tokens, 2026-11-22): 40 rows 805 ms native vs 779 ms BLAS, 60 rows
+# 1200 vs 911 ms, 20 rows 479 vs 629 ms; so the line sits at 40 (above a verify's 33 rows).
+PREFILL_ROWS = 40
 
 
 def linear_portable(x: Tensor, w: Tensor) -> Tensor:
