@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, ModelSpec, SamplingParams,
-                               SpecConfig)
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
+                               ModelSpec, SamplingParams, SpecConfig)
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.combined import CombinedDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -35,7 +35,7 @@ class LLM:
         model: str = DEFAULT_MODEL,
         draft: str | None = None,
         method: str = "none",
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
         dtype: str = "float32",
         max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
         ngram_min: int = 1,

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.cli_generate import DRAFT_CONFIDENCE_HELP
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES, DTYPES,
-                               METHODS, SamplingParams)
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
+                               DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS, SamplingParams)
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,ngram,draft_model"
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated methods from {', '.join(METHODS)}; none is always run as the "
                         "reference (default: %(default)s)")
     ks = p.add_mutually_exclusive_group()
-    ks.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=5,
+    ks.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
                     help="draft tokens per step for every speculative method (default: %(default)s)")
     ks.add_argument("--sweep-k", default=None, metavar="K1,K2,...",
                     help="run each speculative method at each K, e.g. 1,2,4,8; the advice names the best K")

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES, DTYPES,
-                               METHODS, SamplingParams)
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
+                               DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS, SamplingParams)
 from specdecode.errors import InvalidConfigError
 
 
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="none = plain decoding; ngram = prompt lookup; draft_model = a small model "
                         "drafts; combined = n-gram when the context matches, else the draft model "
                         "(default: %(default)s)")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, dest="k",
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
                    help="draft tokens proposed per step (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")

@@ -10,7 +10,8 @@ import socket
 import sys
 
 from specdecode.cli_generate import DRAFT_CONFIDENCE_HELP
-from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
+                               DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS)
 from specdecode.errors import InvalidConfigError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -26,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, default="none",
                    help="speculative method for every request: none, ngram, draft_model or combined "
                         "(default: %(default)s)")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, dest="k",
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
                    help="most draft tokens proposed per step (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; "

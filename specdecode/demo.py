@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from specdecode.api import LLM
-from specdecode.config import SamplingParams
+from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, SamplingParams
 
 PROMPTS = [
     ("code", "Write a Python function `merge_sorted(a, b)` that merges two sorted lists into one "
@@ -26,7 +26,7 @@ METHODS = ("none", "ngram", "draft_model")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("-k", type=int, default=5)
+    ap.add_argument("-k", type=int, default=DEFAULT_SPECULATIVE_TOKENS)
     args = ap.parse_args(argv)
     llm = LLM(method="draft_model", num_speculative_tokens=args.k)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
