@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli_generate import DRAFT_CONFIDENCE_HELP
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
-                               DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS, SamplingParams)
+from specdecode.cli_options import add_draft_options
+from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,ngram,draft_model"
@@ -59,13 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ks.add_argument("--sweep-k", default=None, metavar="K1,K2,...",
                     help="run each speculative method at each K, e.g. 1,2,4,8; the advice names the best K")
     p.add_argument("--k-schedule", choices=("adaptive", "fixed", "both"), default="adaptive",
-                   help="adaptive: the draft length follows acceptance, up to K; fixed: K every step (the draft model still stops early by --draft-confidence); both: "
+                   help="adaptive: the draft length follows acceptance, up to K; fixed: K every step (the draft "
+                        "model still stops early by --draft-confidence); both: "
                         "each method twice, fixed-K rows named METHOD+fixed (default: %(default)s)")
-    p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
-                   help="draft model weights: int8 (cheaper drafts) or none (the --dtype); output "
-                        "unchanged either way (default: %(default)s)")
-    p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
-help=DRAFT_CONFIDENCE_HELP)
+    add_draft_options(p, fixed_k=False)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
                                         "summarization, rag, math, translation, or all")

@@ -7,22 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
-                               DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS, SamplingParams)
+from specdecode.cli_options import add_draft_options, add_model_options
+from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
 
-DRAFT_CONFIDENCE_HELP = ("draft model: stop drafting once the draft's probability for its draft so far (the product "
-                         "of its token probabilities) falls below this; 0 never stops early "
-                         "(default: %(default)s)")
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="target: a catalog name (see `specdecode models list`), a local HF folder, "
-                        "a .gguf file or a hub id (default: %(default)s)")
-    p.add_argument("--draft", default=None,
-                   help="draft model for --method draft_model/combined (same vocabulary as the target); "
-                        "defaults to the catalog's pair for the default target")
+    add_model_options(p)
     p.add_argument("--method", choices=METHODS, default="none",
                    help="none = plain decoding; ngram = prompt lookup; draft_model = a small model "
                         "drafts; combined = n-gram when the context matches, else the draft model "
@@ -43,14 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
-    p.add_argument("--fixed-k", action="store_true",
-                   help="do not adapt the draft length to acceptance: draft up to K every step; the draft model "
-                        "still stops early by --draft-confidence (0 there: exactly K)")
-    p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
-help=DRAFT_CONFIDENCE_HELP)
-    p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
-                   help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
-                        "exactly the target's either way (default: %(default)s)")
+    add_draft_options(p)
     p.add_argument("--compare", action="store_true",
                    help="also run --method none on the same input and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")

@@ -9,21 +9,15 @@ import os
 import socket
 import sys
 
-from specdecode.cli_generate import DRAFT_CONFIDENCE_HELP
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
-                               DRAFT_QUANTIZE_CHOICES, DTYPES, METHODS)
+from specdecode.cli_options import add_draft_options, add_model_options
+from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS
 from specdecode.errors import InvalidConfigError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="target: a catalog name (see `specdecode models list`), a local HF folder, "
-                        "a .gguf file or a hub id (default: %(default)s)")
-    p.add_argument("--draft", default=None,
-                   help="draft model for --method draft_model/combined (same vocabulary as the target); "
-                        "defaults to the catalog's pair for the default target")
+    add_model_options(p)
     p.add_argument("--method", choices=METHODS, default="none",
                    help="speculative method for every request: none, ngram, draft_model or combined "
                         "(default: %(default)s)")
@@ -50,14 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="let web pages from ORIGIN (e.g. http://localhost:3000, or *) call the API from a "
                         "browser; repeatable (default: none)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
-    p.add_argument("--fixed-k", action="store_true",
-                   help="do not adapt the draft length to acceptance: draft up to K every step; the draft model "
-                        "still stops early by --draft-confidence (0 there: exactly K)")
-    p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
-                   help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
-                        "exactly the target's either way (default: %(default)s)")
-    p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
-help=DRAFT_CONFIDENCE_HELP)
+    add_draft_options(p)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="server log level (default: %(default)s)")
     p.set_defaults(run=run)

@@ -1,0 +1,35 @@
+"""Flags shared by several subcommands, declared once so their names, defaults and help agree."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES
+
+DEFAULT_MODEL_NAME = "qwen2.5-coder-1.5b-instruct"
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--draft`` for commands that load the pair themselves (generate, serve)."""
+    p.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                   help="target: a catalog name (see `specdecode models list`), a local HF folder, "
+                        "a .gguf file or a hub id (default: %(default)s)")
+    p.add_argument("--draft", default=None,
+                   help="draft model for --method draft_model/combined (same vocabulary as the target); "
+                        "defaults to the catalog's pair for the default target")
+
+
+def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
+    """How the draft model drafts: ``--draft-quantize``, ``--draft-confidence`` and (unless the
+    command has its own K schedule) ``--fixed-k``."""
+    if fixed_k:
+        p.add_argument("--fixed-k", action="store_true",
+                       help="do not adapt the draft length to acceptance: draft up to K every step; the "
+                            "draft model still stops early by --draft-confidence (0 there: exactly K)")
+    p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+                   help="draft model: stop drafting once the draft's probability for its draft so far "
+                        "(the product of its token probabilities) falls below this; 0 never stops "
+                        "early (default: %(default)s)")
+    p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
+                   help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
+                        "exactly the target's either way (default: %(default)s)")
