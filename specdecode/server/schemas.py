@@ -255,6 +255,15 @@ class SpecDecodeStats(BaseModel):
     accepted_per_position: list[int]
 
 
+class _ResponseHead(BaseModel):
+    """The fields every completion response and stream chunk starts with."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -262,14 +271,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_ResponseHead):
     """Also the shape of each stream chunk (OpenAI uses ``text_completion`` for both)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
     spec_decode: SpecDecodeStats | None = None
@@ -288,12 +293,8 @@ class ChatChoice(BaseModel):
     finish_reason: str
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_ResponseHead):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
     spec_decode: SpecDecodeStats
@@ -311,12 +312,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ResponseHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     spec_decode: SpecDecodeStats | None = None
