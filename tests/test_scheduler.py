@@ -33,20 +33,25 @@ async def _collect(scheduler: Scheduler, ids: list[int], params: SamplingParams)
     return "".join(text), final
 
 
+def _run_concurrently(scheduler: Scheduler, prompts, params):
+    """All requests at once through ``scheduler``; closes it afterwards."""
+
+    async def run_all():
+        return await asyncio.gather(*(_collect(scheduler, p, q) for p, q in zip(prompts, params)))
+
+    try:
+        return asyncio.run(run_all())
+    finally:
+        scheduler.close()
+
+
 @pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined"])
 def test_concurrent_requests_equal_solo_greedy(llm, method):
     prompts = _prompts(llm, 6)
     params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(6)]
     solo = [llm.engine.generate(p, q, llm.drafter(method), 4) for p, q in zip(prompts, params)]
     scheduler = Scheduler(llm, method=method, max_concurrency=4, max_queue=8)
-
-    async def run_all():
-        return await asyncio.gather(*(_collect(scheduler, p, q) for p, q in zip(prompts, params)))
-
-    try:
-        results = asyncio.run(run_all())
-    finally:
-        scheduler.close()
+    results = _run_concurrently(scheduler, prompts, params)
     for (text, out), alone in zip(results, solo):
         assert out.token_ids == alone.token_ids
         assert text == out.text == alone.text
@@ -85,15 +90,7 @@ def test_seeded_sampling_is_reproducible_under_batching(llm):
     params = [SamplingParams(max_tokens=15, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True)
               for i in range(3)]
     solo = [llm.engine.generate(p, q, llm.drafter("draft_model"), 4) for p, q in zip(prompts, params)]
-    scheduler = Scheduler(llm, method="draft_model", max_concurrency=3)
-
-    async def run_all():
-        return await asyncio.gather(*(_collect(scheduler, p, q) for p, q in zip(prompts, params)))
-
-    try:
-        results = asyncio.run(run_all())
-    finally:
-        scheduler.close()
+    results = _run_concurrently(Scheduler(llm, method="draft_model", max_concurrency=3), prompts, params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
 
 
@@ -110,7 +107,7 @@ def test_abandoned_waiters_do_not_hold_queue_places(llm):
         assert scheduler.waiting == 0
         again = scheduler.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True))  # not 429
         running.cancel()
-        text, out = "", None
+        out = None
         async for event in again:
             out = event.output or out
         assert len(out.token_ids) == 2

@@ -131,8 +131,12 @@ class Decoder:
             bias = _causal_bias(start, n, span, group).to(self.dtype)  # [G*N, span]
             views.append(_SegmentView(cache, start, n, span, bias))
         tokens = torch.cat([t for t, _ in segments]) if len(segments) > 1 else segments[0][0]
-        positions = torch.cat([torch.arange(v.start, v.start + v.n) for v in views])
-        cos, sin = self.cos[positions], self.sin[positions]
+        if len(views) == 1:  # the common case: rows are consecutive positions, a view suffices
+            rows = slice(views[0].start, views[0].start + views[0].n)
+            cos, sin = self.cos[rows], self.sin[rows]
+        else:
+            positions = torch.cat([torch.arange(v.start, v.start + v.n) for v in views])
+            cos, sin = self.cos[positions], self.sin[positions]
         # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path.
         linear = self._linear if len(segments) == 1 else self._rows_linear
         x = self.embed[tokens]  # [N, D]
