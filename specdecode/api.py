@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
-                               ModelSpec, SamplingParams, SpecConfig)
+                               DRAFT_MODEL_METHODS, ModelSpec, SamplingParams, SpecConfig)
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.combined import CombinedDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.tree import TreeDrafter
 from specdecode.engine import Engine, GenerationOutput
 from specdecode.errors import InvalidConfigError, VocabularyMismatchError
 from specdecode.models.catalog import resolve_model
@@ -58,7 +60,7 @@ class LLM:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
         self.adaptive, self.draft_confidence = adaptive, draft_confidence
         self.model_spec = ModelSpec(model, dtype, max_seq_len)
-        if draft is None and method in ("draft_model", "combined"):
+        if draft is None and method in DRAFT_MODEL_METHODS:
             draft = DEFAULT_DRAFTS.get(model)
             if draft is None:
                 raise InvalidConfigError(f"method {method!r} needs a draft model for {model!r}: pass draft=")
@@ -97,12 +99,16 @@ class LLM:
             return None
         if method == "ngram":
             return NgramDrafter(self.spec.ngram_min, self.spec.ngram_max)
+        if method == "lookahead":
+            return LookaheadDrafter()
         if self.draft_model is None:
             raise InvalidConfigError(f"method {method!r} needs a draft model: pass draft=")
         draft = DraftModelDrafter(self.draft_model, self.target.config.vocab_size, capacity,
                                   self.draft_confidence)
         if method == "draft_model":
             return draft
+        if method == "tree":
+            return TreeDrafter(draft)
         return CombinedDrafter(draft, ngram_max=max(3, self.spec.ngram_max))
 
     def _method(self, method: str | None) -> str:

@@ -3,6 +3,10 @@
 Keys and values live in buffers sized for the whole sequence up front, written by position
 (gpt-fast style). The logical ``length`` says how many slots are valid, so rejecting draft tokens
 is ``trim(n)``: nothing is copied or freed, later writes simply overwrite the stale slots.
+
+A tree verify step writes its nodes' keys and values to a small side buffer in node order
+(``node_k``/``node_v``) while the main slots serve each branch in turn; ``keep_rows`` then copies the
+accepted path into place, so the cache again holds one sequence.
 """
 
 from __future__ import annotations
@@ -28,6 +32,29 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype)
         self.capacity = capacity
         self.length = 0
+        self.node_k: torch.Tensor | None = None  # [layers, kv_heads, nodes, head_dim] of a tree step
+        self.node_v: torch.Tensor | None = None
+        self._tree_start = 0
+
+    def tree_buffers(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Side buffers for the ``n`` rows of a tree step that reserved slots from ``start``."""
+        layers, heads, _, dim = self.k.shape
+        if self.node_k is None or self.node_k.shape[2] < n:
+            self.node_k = self.k.new_empty(layers, heads, n, dim)
+            self.node_v = self.v.new_empty(layers, heads, n, dim)
+        self._tree_start = start
+        return self.node_k, self.node_v
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """After a tree step: keep the step's ``rows`` (its kept path, root first) as consecutive
+        tokens from the step's first slot and forget the other rows."""
+        start = self._tree_start
+        if self.node_k is None or start + len(rows) > self.length:
+            raise ValueError("keep_rows needs a tree step in the cache")
+        index = torch.tensor(rows)
+        self.k[:, :, start : start + len(rows)] = self.node_k.index_select(2, index)
+        self.v[:, :, start : start + len(rows)] = self.node_v.index_select(2, index)
+        self.length = start + len(rows)
 
     def reserve(self, n: int) -> int:
         """Claim ``n`` slots after the valid ones; return the first slot. Raises if they do not fit."""

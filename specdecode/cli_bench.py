@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.cli_options import add_draft_options
-from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS, SamplingParams
+from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DRAFT_MODEL_METHODS, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,ngram,draft_model"
@@ -164,7 +164,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
     from specdecode.bench.runner import our_contestants, run_benchmark, target_step_timer
     from specdecode.bench.summary import summarize
 
-    needs_draft = any(r.method in ("draft_model", "combined") for r in plan.runs)
+    needs_draft = any(r.method in DRAFT_MODEL_METHODS for r in plan.runs)
     draft = args.draft or (DEFAULT_DRAFTS.get(args.model) if needs_draft or args.peers else None)
     if needs_draft and draft is None:
         raise InvalidConfigError(f"--methods includes draft_model but no --draft was given for {args.model!r}; "

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 
-METHODS = ("none", "ngram", "draft_model", "combined")
+METHODS = ("none", "ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self")
+# Methods that draft with a separate draft model (and so need --draft or a default pair).
+DRAFT_MODEL_METHODS = ("draft_model", "combined", "tree")
 # Up to 8 drafts per step beat up to 5 under the int8-draft defaults: 2.43x against 2.22x of plain
 # decoding for draft_model on code, code-edit, chat and math in one run (docs/PERFORMANCE.md).
 DEFAULT_SPECULATIVE_TOKENS = 8

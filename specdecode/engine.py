@@ -26,6 +26,7 @@ from specdecode.stats import RequestStats
 from specdecode.stops import StopChecker
 from specdecode.tokenizer import Tokenizer
 from specdecode.verify import verify_greedy, verify_rejection
+from specdecode.verify_tree import verify_tree_greedy, verify_tree_rejection
 
 
 @dataclass(slots=True)
@@ -65,7 +66,8 @@ class Generation:
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen)
-        self.draft_length = DraftLength(k, adaptive)
+        # A drafter may size its own proposals (a lookahead window's depth is not a draft length).
+        self.draft_length = DraftLength(k, adaptive and getattr(drafter, "adapts_length", True))
         self.stops = StopChecker(tokenizer, params)
         self.proposal = EMPTY_PROPOSAL
         cache.reset()
@@ -96,31 +98,56 @@ class Generation:
         budget = min(self.draft_length.k, params.max_tokens - seq.num_generated - 1,
                      self.max_seq_len - len(seq.token_ids))
         t0 = time.perf_counter()
-        self.proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
+        proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
+        # A tree may hold more nodes than its depth: keep it within the cache and the widest
+        # verify call the invariant kernels serve.
+        room = min(MAX_SPECULATIVE_TOKENS, self.cache.capacity - self.cache.length - 1)
+        self.proposal = proposal.truncated(room)
         self.stats.draft_s += time.perf_counter() - t0
         return torch.cat([torch.tensor(seq.token_ids[-1:]), self.proposal.tokens])
+
+    @property
+    def tree(self) -> list[int] | None:
+        """The verify rows' parent rows when this step's drafts form a tree (None for a chain)."""
+        if not self.proposal.is_tree:
+            return None
+        return [-1] + [p + 1 for p in self.proposal.parents]
 
     def commit(self, logits: Tensor, forward_s: float = 0.0) -> StreamEvent:
         """Take the verify logits [K+1, V]: keep the valid draft prefix and one more token, trim
         the rejected drafts from the cache, tell the drafter. ``forward_s``: the forward's time."""
         seq, proposal, stats = self.seq, self.proposal, self.stats
-        if seq.params.greedy:
-            result = verify_greedy(proposal.tokens, logits)
+        if proposal.is_tree:
+            result = self._verify_tree(logits)
+            self.cache.keep_rows(result.rows)
         else:
-            probs = logits_to_probs(logits, seq.params)
-            result = verify_rejection(proposal.tokens, proposal.probs, probs, seq.generator)
-        self.cache.trim(proposal.k - result.num_accepted)
+            if seq.params.greedy:
+                result = verify_greedy(proposal.tokens, logits)
+            else:
+                probs = logits_to_probs(logits, seq.params)
+                result = verify_rejection(proposal.tokens, proposal.probs, probs, seq.generator)
+            self.cache.trim(proposal.k - result.num_accepted)
         stats.verify_s += forward_s
         stats.target_steps += 1
         if proposal.k:
-            stats.record_draft(proposal.k, result.num_accepted)
-            self.draft_length.update(proposal.k, result.num_accepted)
+            stats.record_draft(proposal.k, result.num_accepted, proposal.depth)
+            self.draft_length.update(proposal.depth, result.num_accepted)
         new = self.stops.push(seq, result.tokens)
         if self.drafter is not None and not self.finished:
             t0 = time.perf_counter()
+            observe = getattr(self.drafter, "observe", None)  # drafters that learn from every row
+            if observe is not None:
+                observe(logits)
             self.drafter.accept(seq, result.num_accepted)
             stats.draft_s += time.perf_counter() - t0
         return StreamEvent(self.stops.take_text(), new)
+
+    def _verify_tree(self, logits: Tensor):
+        seq, proposal = self.seq, self.proposal
+        if seq.params.greedy:
+            return verify_tree_greedy(proposal.tokens, proposal.parents, logits)
+        probs = logits_to_probs(logits, seq.params)
+        return verify_tree_rejection(proposal.tokens, proposal.parents, probs, seq.generator)
 
     def finish(self) -> StreamEvent:
         """The last event, carrying the whole output and its stats."""
@@ -182,7 +209,7 @@ class Engine:
             if inputs is None:
                 break
             t0 = time.perf_counter()
-            logits = self.target.forward(inputs, self.cache)  # [K+1, V]
+            logits = self.target.forward(inputs, self.cache, tree=gen.tree)  # [K+1, V]
             yield gen.commit(logits, time.perf_counter() - t0)
         yield gen.finish()
 

@@ -26,15 +26,18 @@ class RequestStats:
     draft_s: float = 0.0  # time inside the drafter's propose/accept
     verify_s: float = 0.0  # time in target forwards after prefill (verify or plain steps)
 
-    def record_draft(self, k: int, accepted: int) -> None:
+    def record_draft(self, k: int, accepted: int, depth: int | None = None) -> None:
+        """One verify step of ``k`` draft tokens; a tree's ``depth`` (its longest branch) is the
+        number of positions it drafted."""
+        depth = k if depth is None else depth
         self.drafts += 1
         self.draft_tokens += k
         self.accepted_tokens += accepted
-        grow = k - len(self.drafted_per_position)
+        grow = depth - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position.extend([0] * grow)
             self.accepted_per_position.extend([0] * grow)
-        for i in range(k):
+        for i in range(depth):
             self.drafted_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1

@@ -10,6 +10,8 @@ import torch
 from specdecode import LLM, SamplingParams
 
 SEEDS = range(6)
+# Every speculative method; each must reproduce plain greedy decoding token for token.
+SPEC_METHODS = ["ngram", "draft_model", "combined", "tree", "lookahead"]
 
 
 def _prompt(seed: int) -> str:
@@ -37,7 +39,7 @@ def _greedy(n: int = 40) -> SamplingParams:
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "combined"])
+@pytest.mark.parametrize("method", SPEC_METHODS)
 def test_greedy_identity(llm, method, k):
     drafted = 0
     for seed in SEEDS:
@@ -67,7 +69,7 @@ def test_perfect_draft_accepts_everything(self_draft_llm, k):
     assert out.stats.target_steps < plain.stats.target_steps
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined"])
+@pytest.mark.parametrize("method", ["none", *SPEC_METHODS])
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])
 def test_max_tokens_is_exact(llm, method, max_tokens):
     out = llm.generate(_prompt(3), _greedy(max_tokens), method=method, num_speculative_tokens=4)[0]
@@ -76,7 +78,7 @@ def test_max_tokens_is_exact(llm, method, max_tokens):
     assert out.stats.completion_tokens == max_tokens
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined"])
+@pytest.mark.parametrize("method", ["none", *SPEC_METHODS])
 def test_stream_equals_generate(llm, method):
     params = SamplingParams(max_tokens=30, stop=("x +",), ignore_eos=True)
     for seed in SEEDS:
@@ -105,7 +107,7 @@ def test_eos_stops_generation(tiny_pair):
     head[EOS_ID, 0] = 1e4
     llm.target.lm_head = head
     llm.target.norm = torch.ones_like(llm.target.norm)
-    for method in ("none", "draft_model", "ngram", "combined"):
+    for method in ("none", *SPEC_METHODS):
         out = llm.generate("abc", SamplingParams(max_tokens=20), method=method)[0]
         assert out.finish_reason == "stop", method
         assert out.token_ids[-1] == EOS_ID
@@ -116,7 +118,7 @@ def test_bfloat16_greedy_identity(tiny_pair):
     llm = LLM(model=str(target), draft=str(draft), dtype="bfloat16", max_seq_len=512, progress=False)
     for seed in SEEDS:
         plain = llm.generate(_prompt(seed), _greedy(), method="none")[0]
-        for method in ("ngram", "draft_model"):
+        for method in ("ngram", "draft_model", "tree"):
             spec = llm.generate(_prompt(seed), _greedy(), method=method, num_speculative_tokens=4)[0]
             assert spec.token_ids == plain.token_ids, (method, seed)
 

@@ -15,9 +15,11 @@ Rejected drafts are rolled back with ``cache.trim``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from specdecode.drafters.base import DraftProposal, SequenceState
 from specdecode.errors import VocabularyMismatchError
@@ -44,6 +46,12 @@ class DraftModelDrafter:
         self._cached = 0
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
+        return self.draft(seq, k, seq.params.greedy, on_step=None)
+
+    def draft(self, seq: SequenceState, k: int, argmax: bool,
+              on_step: Callable[[Tensor], None] | None) -> DraftProposal:
+        """Up to ``k`` tokens, each the draft's argmax (``argmax``) or a sample from its
+        distribution under the request's sampling rule; ``on_step`` sees each step's logits [1, V]."""
         k = min(k, self.cache.capacity - len(seq.token_ids))
         if k <= 0:
             return DraftProposal(torch.empty(0, dtype=torch.long), None)
@@ -54,7 +62,9 @@ class DraftModelDrafter:
         tokens, probs = [], []
         cumulative = 1.0
         for i in range(k):
-            if params.greedy:
+            if on_step is not None:
+                on_step(logits)
+            if argmax:
                 token = greedy(logits)
                 p_token = 1.0 if self.confidence <= 0 else float(torch.softmax(logits[0], -1)[token])
             else:

@@ -3,12 +3,15 @@
 Code edits, summaries and retrieval answers repeat spans of their context; when the last ``n``
 tokens occurred before, the tokens that followed them are a free guess. The index maps every
 n-gram (``ngram_min <= n <= ngram_max``) to the position right after its earliest occurrence and is
-updated incrementally, so a step costs O(ngram_max) dictionary look-ups, not a scan.
+updated incrementally, so a step costs O(ngram_max) dictionary look-ups, not a scan. It also
+keeps a few later occurrences, so a tree drafter can branch on distinct continuations.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
+
+MAX_OCCURRENCES = 4  # positions kept per n-gram: the earliest and the next few
 
 import torch
 
@@ -21,7 +24,7 @@ class NgramDrafter:
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
-        self._index: dict[tuple[int, ...], int] = {}
+        self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # n-grams ending before this position are in the index
 
     def begin(self, seq: SequenceState) -> None:
@@ -34,18 +37,31 @@ class NgramDrafter:
         # matches itself; the earliest occurrence is kept, as its continuation is the longest.
         for end in range(max(self._indexed, 1), len(tokens)):
             for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
-                self._index.setdefault(tuple(tokens[end - n : end]), end)
+                follows = self._index.setdefault(tuple(tokens[end - n : end]), [])
+                if len(follows) < MAX_OCCURRENCES:
+                    follows.append(end)
         self._indexed = max(self._indexed, len(tokens))
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
-        tokens = seq.token_ids
+        found = self.continuations(seq.token_ids, k, limit=1)
+        return DraftProposal(torch.tensor(found[0], dtype=torch.long), None) if found else EMPTY_PROPOSAL
+
+    def continuations(self, tokens: list[int], k: int, limit: int) -> list[list[int]]:
+        """Up to ``limit`` distinct continuations (each up to ``k`` tokens) of the longest suffix of
+        ``tokens`` that occurred before, earliest occurrence first."""
         self._update(tokens)
         for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
-            follow = self._index.get(tuple(tokens[-n:]))
-            if follow is not None:
-                draft = tokens[follow : follow + k]
-                return DraftProposal(torch.tensor(draft, dtype=torch.long), None)
-        return EMPTY_PROPOSAL
+            follows = self._index.get(tuple(tokens[-n:]))
+            if follows:
+                found: list[list[int]] = []
+                for start in follows:
+                    draft = tokens[start : start + k]
+                    if draft and draft not in found:
+                        found.append(draft)
+                    if len(found) == limit:
+                        break
+                return found
+        return []
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         """Stateless between steps apart from the index, which ``propose`` extends lazily."""

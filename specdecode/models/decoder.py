@@ -105,37 +105,43 @@ class Decoder:
     def max_context(self) -> int:
         return self.config.max_position_embeddings
 
-    def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = False,
+                tree: Sequence[int] | None = None) -> Tensor:
         """Run ``tokens`` [N] at the next N cache slots; return logits [N, V] (or [1, V]).
 
         Row i attends to every cached token and to rows 0..i (causal). The cache length grows by N.
+        With ``tree`` (row i's parent row, -1 for row 0), row i attends to the cache and its own
+        ancestors instead; see ``forward_batch``.
         """
-        return self.forward_batch([(tokens, cache)], last_only)[0]
+        return self.forward_batch([(tokens, cache)], last_only, [tree])[0]
 
     @torch.inference_mode()
-    def forward_batch(self, segments: Sequence[tuple[Tensor, KVCache]], last_only: bool = False) -> list[Tensor]:
+    def forward_batch(self, segments: Sequence[tuple[Tensor, KVCache]], last_only: bool = False,
+                      trees: Sequence[Sequence[int] | None] | None = None) -> list[Tensor]:
         """One forward for several sequences, each ``(tokens [N_i], its own cache)``.
 
         The rows of all sequences share every linear layer (one pass over the weights, which is
         what a decode step pays for); attention runs per sequence over its own cache. Rows are
         batch-invariant, so each sequence gets the bits it would get alone. Returns logits per
         sequence: [N_i, V], or [1, V] each with ``last_only``.
+
+        ``trees[j]``, when given, makes segment j a token tree: row i's parent row (row 0, the
+        root, has -1; parents precede children). A row sits at position start + its depth and
+        sees the cache and its ancestors. Attention runs once per root-to-leaf branch, with the
+        branch in consecutive slots, so every row computes exactly what it would in a chain: the
+        kept path has plain decoding's bits. The cache then holds the rows in node order in its
+        side buffers until ``cache.keep_rows`` keeps the accepted path.
         """
         cfg = self.config
         group = cfg.num_heads // cfg.num_kv_heads
-        views: list[_SegmentView] = []
-        for tokens, cache in segments:
-            n = tokens.shape[0]
-            start = cache.reserve(n)
-            span = math.ceil((start + n) / kernels.KEY_BLOCK) * kernels.KEY_BLOCK  # keys read
-            bias = _causal_bias(start, n, span, group).to(self.dtype)  # [G*N, span]
-            views.append(_SegmentView(cache, start, n, span, bias))
+        trees = trees or [None] * len(segments)
+        views = [self._view(tokens.shape[0], cache, tree, group) for (tokens, cache), tree in zip(segments, trees)]
         tokens = torch.cat([t for t, _ in segments]) if len(segments) > 1 else segments[0][0]
-        if len(views) == 1:  # the common case: rows are consecutive positions, a view suffices
+        if len(views) == 1 and views[0].branches is None:  # rows are consecutive positions: a view
             rows = slice(views[0].start, views[0].start + views[0].n)
             cos, sin = self.cos[rows], self.sin[rows]
         else:
-            positions = torch.cat([torch.arange(v.start, v.start + v.n) for v in views])
+            positions = torch.cat([v.positions() for v in views])
             cos, sin = self.cos[positions], self.sin[positions]
         # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path.
         linear = self._linear if len(segments) == 1 else self._rows_linear
@@ -148,6 +154,26 @@ class Decoder:
         x = kernels.rms_norm(x, self.norm, cfg.rms_norm_eps)
         logits = linear(x, self.lm_head).float()
         return list(logits.split(1 if last_only else [v.n for v in views]))
+
+    def _view(self, n: int, cache: KVCache, tree: Sequence[int] | None, group: int) -> _SegmentView:
+        start = cache.reserve(n)
+        if tree is None or all(p == i - 1 for i, p in enumerate(tree)):
+            return _SegmentView(cache, start, n, *_chain_keys(start, n, group, self.dtype))
+        if len(tree) != n or tree[0] != -1 or any(not 0 <= p < i for i, p in enumerate(tree) if i):
+            raise ValueError(f"tree must give each of {n} rows an earlier parent row (-1 for row 0)")
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[tree[i]] + 1
+        leaves = sorted(set(range(n)) - set(tree))
+        branches = []
+        for leaf in leaves:
+            path = [leaf]
+            while path[-1] != 0:
+                path.append(tree[path[-1]])
+            path.reverse()
+            branches.append((torch.tensor(path), *_chain_keys(start, len(path), group, self.dtype)))
+        cache.tree_buffers(start, n)
+        return _SegmentView(cache, start, n, 0, None, torch.tensor(depth), branches)
 
     def _rows_linear(self, x: Tensor, w: Tensor) -> Tensor:
         """``self._linear`` for the decode rows of many sequences, which must stay on the
@@ -177,13 +203,17 @@ class Decoder:
         for seg in views:
             rows = slice(row, row + seg.n)
             row += seg.n
-            cache, start = seg.cache, seg.start
-            cache.k[i, :, start : start + seg.n] = k[rows].transpose(0, 1)
-            cache.v[i, :, start : start + seg.n] = v[rows].transpose(0, 1)
-            # [N, Hq, d] -> [Hkv, G*N, d]: query heads of one kv head are consecutive in HF layouts.
-            qg = q[rows].reshape(seg.n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
-            attn = kernels.attention(qg, cache.k[i, :, : seg.span], cache.v[i, :, : seg.span], seg.bias, scale)
-            outs.append(attn.view(hkv, hq // hkv, seg.n, d).permute(2, 0, 1, 3).reshape(seg.n, hq * d))
+            if seg.branches is None:
+                outs.append(_attend(q[rows], k[rows], v[rows], seg.cache, i, seg.start, seg.span, seg.bias, scale))
+                continue
+            node_k, node_v = seg.cache.node_k, seg.cache.node_v
+            node_k[i, :, : seg.n] = k[rows].transpose(0, 1)
+            node_v[i, :, : seg.n] = v[rows].transpose(0, 1)
+            out = q.new_empty(seg.n, hq * d)
+            for path, span, bias in seg.branches:  # each branch in the slots after the cache
+                out[path] = _attend(q[rows][path], k[rows][path], v[rows][path], seg.cache, i, seg.start,
+                                    span, bias, scale)
+            outs.append(out)
         attn = torch.cat(outs) if len(outs) > 1 else outs[0]
         x = x + linear(attn, w.o)
         h = kernels.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
@@ -191,16 +221,43 @@ class Decoder:
         return x + linear(torch.nn.functional.silu(gate) * up, w.down)
 
 
+def _attend(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, start: int, span: int,
+            bias: Tensor, scale: float) -> Tensor:
+    """Write a chain of rows' keys and values at slots ``start..`` of ``layer`` and attend over
+    the cache up to them: q [N, Hq, d], k/v [N, Hkv, d] -> [N, Hq*d]."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    cache.k[layer, :, start : start + n] = k.transpose(0, 1)
+    cache.v[layer, :, start : start + n] = v.transpose(0, 1)
+    # [N, Hq, d] -> [Hkv, G*N, d]: query heads of one kv head are consecutive in HF layouts.
+    qg = q.reshape(n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
+    attn = kernels.attention(qg, cache.k[layer, :, :span], cache.v[layer, :, :span], bias, scale)
+    return attn.view(hkv, hq // hkv, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
+
+
 @dataclass(slots=True)
 class _SegmentView:
     """Where one sequence's rows of a batched forward go: its cache, first slot, row count, the
-    keys its attention reads (whole blocks) and its causal mask."""
+    keys its attention reads (whole blocks) and its causal mask; for a tree, each row's depth and
+    each root-to-leaf branch (its rows, key span and causal mask)."""
 
     cache: KVCache
     start: int
     n: int
     span: int
-    bias: Tensor
+    bias: Tensor | None
+    depth: Tensor | None = None  # [N] for a tree
+    branches: list[tuple[Tensor, int, Tensor]] | None = None
+
+    def positions(self) -> Tensor:
+        offsets = torch.arange(self.n) if self.depth is None else self.depth
+        return self.start + offsets
+
+
+def _chain_keys(start: int, n: int, group: int, dtype: torch.dtype) -> tuple[int, Tensor]:
+    """Key span (whole blocks) and causal mask for ``n`` consecutive rows from slot ``start``."""
+    span = math.ceil((start + n) / kernels.KEY_BLOCK) * kernels.KEY_BLOCK
+    return span, _causal_bias(start, n, span, group).to(dtype)  # [G*N, span]
 
 
 def _pick_linear(dtype: torch.dtype, batch_invariant: bool, use_native: bool | None):

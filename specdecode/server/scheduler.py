@@ -207,7 +207,8 @@ class Scheduler:
             return []
         t0 = time.perf_counter()
         try:
-            logits = self.llm.engine.target.forward_batch([(inputs, gen.cache) for _, gen, inputs in batch])
+            logits = self.llm.engine.target.forward_batch([(inputs, gen.cache) for _, gen, inputs in batch],
+                                                          trees=[gen.tree for _, gen, _ in batch])
         except Exception as exc:  # a bug, not user input: fail these requests, keep serving
             for job, _, _ in batch:
                 job._emit(exc)

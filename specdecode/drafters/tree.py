@@ -1,0 +1,98 @@
+"""Tree drafting: several candidate continuations, verified together in one target forward.
+
+A chain of drafts is lost at its first wrong token. A tree hedges: beside the draft model's own
+chain (its argmax at each position), it offers the draft's second choice at the first few
+positions, and up to ``ngram_branches`` distinct continuations copied from earlier occurrences
+of the current suffix. The target scores every node in one forward (``Decoder.forward`` with a
+tree) and ``verify_tree`` keeps the longest valid path. More nodes widen the verify call, which
+on a CPU is not free (docs/PERFORMANCE.md), so the tree stays small: it pays only where the
+draft's first guesses are often wrong but its second ones right.
+
+The candidates are deterministic (argmaxes and copies) in greedy and sampling mode alike, as the
+exact multi-candidate sampling rule requires. Candidates are merged into a trie, so shared
+prefixes are verified once.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, SequenceState
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.ngram import NgramDrafter
+
+
+class TokenTrie:
+    """Candidate sequences merged by common prefix; nodes numbered in insertion order."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self._children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+
+    def insert(self, sequence: list[int], limit: int) -> None:
+        """Add ``sequence`` below the root, stopping once the trie has ``limit`` nodes."""
+        node = -1
+        for token in sequence:
+            child = self._children.get((node, token))
+            if child is None:
+                if len(self.tokens) >= limit:
+                    return
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self._children[(node, token)] = child
+            node = child
+
+    def proposal(self) -> DraftProposal:
+        if not self.tokens:
+            return EMPTY_PROPOSAL
+        return DraftProposal(torch.tensor(self.tokens, dtype=torch.long), None, tuple(self.parents))
+
+
+class TreeDrafter:
+    name: ClassVar[str] = "tree"
+
+    def __init__(self, draft: DraftModelDrafter, branch_positions: int = 2, ngram_branches: int = 2,
+                 max_nodes: int = 16) -> None:
+        """``branch_positions``: chain positions that also get the draft's second choice (as a
+        leaf); ``ngram_branches``: copied continuations added; ``max_nodes``: tree size cap."""
+        self.draft = draft
+        self.ngram = NgramDrafter(ngram_min=2, ngram_max=4)
+        self.branch_positions = branch_positions
+        self.ngram_branches = ngram_branches
+        self.max_nodes = max_nodes
+        self._chain: list[int] = []
+        self._committed = 0
+
+    def begin(self, seq: SequenceState) -> None:
+        self.draft.begin(seq)
+        self.ngram.begin(seq)
+
+    def propose(self, seq: SequenceState, k: int) -> DraftProposal:
+        seconds: list[int] = []
+
+        def second_choice(logits: Tensor) -> None:  # [1, V]
+            if len(seconds) < self.branch_positions:
+                seconds.append(int(logits[0].topk(2).indices[1]))
+
+        chain = self.draft.draft(seq, k, argmax=True, on_step=second_choice).tokens.tolist()
+        self._chain, self._committed = chain, len(seq.token_ids)
+        trie = TokenTrie()
+        trie.insert(chain, self.max_nodes)
+        for i, alt in enumerate(seconds[: len(chain)]):
+            trie.insert(chain[:i] + [alt], self.max_nodes)
+        for copy in self.ngram.continuations(seq.token_ids, k, self.ngram_branches):
+            trie.insert(copy, self.max_nodes)
+        return trie.proposal()
+
+    def accept(self, seq: SequenceState, n_accepted: int) -> None:
+        # The draft model cached its own chain; keep the part of it that was committed.
+        committed = seq.token_ids[self._committed : self._committed + n_accepted]
+        same = 0
+        while same < len(committed) and same < len(self._chain) and committed[same] == self._chain[same]:
+            same += 1
+        self.draft.accept(seq, same)
