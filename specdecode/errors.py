@@ -50,3 +50,8 @@ class InvalidConfigError(SpecDecodeError, ValueError):
 
 class ServerBusyError(SpecDecodeError):
     """The server's wait queue is full; the client should retry later (HTTP 429)."""
+
+
+class DatastoreError(SpecDecodeError):
+    """A retrieval datastore that is missing, unreadable, built for another tokenizer, or cannot be
+    written (or would overwrite an existing store without ``--force``)."""
