@@ -16,12 +16,17 @@ from specdecode.drafters.combined import CombinedDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.self_spec import SelfSpecDrafter
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.tree import TreeDrafter
 from specdecode.engine import Engine, GenerationOutput
+from specdecode.index.datastore import Datastore
+from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, VocabularyMismatchError
 from specdecode.models.catalog import resolve_model
 from specdecode.models import quant
 from specdecode.models.decoder import Decoder
+from specdecode.models.layer_choice import default_skip, load_skip
 from specdecode.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
@@ -46,6 +51,7 @@ class LLM:
         adaptive: bool = True,
         draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
         draft_quantize: str | None = DEFAULT_DRAFT_QUANTIZE,
+        datastore: str | None = None,
     ) -> None:
         """``adaptive``: the draft length follows each request's acceptance, up to
         ``num_speculative_tokens`` (False: that many every step). ``draft_confidence``: the draft
@@ -54,7 +60,9 @@ class LLM:
         draft has exactly ``num_speculative_tokens`` tokens.
         ``draft_quantize``: "int8" (the default) gives the draft int8 weights, cheaper drafts with
         exactness unaffected; None or "none" keeps it in ``dtype``. Without fbgemm (non-x86
-        builds of torch) int8 falls back to ``dtype`` with a warning."""
+        builds of torch) int8 falls back to ``dtype`` with a warning.
+        ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
+        also drafts from each prompt and from earlier requests without one."""
         self.spec = SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max)
         if not 0.0 <= draft_confidence < 1.0:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
@@ -66,6 +74,8 @@ class LLM:
                 raise InvalidConfigError(f"method {method!r} needs a draft model for {model!r}: pass draft=")
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
+        # Checked before the weights load, so a wrong store fails in a second, not a minute.
+        self.datastore = Datastore.open(datastore, tokenizer=self.tokenizer) if datastore else None
         self.target = Decoder.from_dir(path, dtype)
         self.engine = Engine(self.target, self.tokenizer, max_seq_len)
         self.draft_model: Decoder | None = None
@@ -80,7 +90,9 @@ class LLM:
                     f"but target {model!r} has {self.target.config.vocab_size}; use a draft of the "
                     "same model family"
                 )
-        self.model_name, self.draft_name = model, draft
+        self.model_name, self.draft_name, self.model_dir = model, draft, path
+        self._self_skip: list[int] | None = None  # layers --method self skips, read on first use
+        self.suffix_history = SuffixHistory()  # earlier requests' tokens, shared by suffix drafters
         self._drafters: dict[str, Drafter] = {}
 
     def drafter(self, method: str | None = None) -> Drafter | None:
@@ -101,6 +113,10 @@ class LLM:
             return NgramDrafter(self.spec.ngram_min, self.spec.ngram_max)
         if method == "lookahead":
             return LookaheadDrafter()
+        if method == "suffix":
+            return SuffixDrafter(self.datastore, self.suffix_history)
+        if method == "self":
+            return SelfSpecDrafter(self.target, self.self_skip, capacity, self.draft_confidence)
         if self.draft_model is None:
             raise InvalidConfigError(f"method {method!r} needs a draft model: pass draft=")
         draft = DraftModelDrafter(self.draft_model, self.target.config.vocab_size, capacity,
@@ -110,6 +126,15 @@ class LLM:
         if method == "tree":
             return TreeDrafter(draft)
         return CombinedDrafter(draft, ngram_max=max(3, self.spec.ngram_max))
+
+    @property
+    def self_skip(self) -> list[int]:
+        """The target layers ``method="self"`` skips: the ``specdecode calibrate`` choice stored
+        next to the model, else a default (about half the middle layers)."""
+        if self._self_skip is None:
+            cfg = self.target.config
+            self._self_skip = load_skip(self.model_dir, cfg) or default_skip(cfg.num_layers)
+        return self._self_skip
 
     def _method(self, method: str | None) -> str:
         return SpecConfig(method or self.spec.method, self.spec.num_speculative_tokens,

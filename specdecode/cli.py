@@ -14,7 +14,9 @@ from specdecode.errors import SpecDecodeError
 
 def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]]:
     from specdecode.cli_bench import add_arguments as bench_args
+    from specdecode.cli_calibrate import add_arguments as calibrate_args
     from specdecode.cli_generate import add_arguments as generate_args
+    from specdecode.cli_index import add_arguments as index_args
     from specdecode.cli_models import add_arguments as models_args
     from specdecode.cli_serve import add_arguments as serve_args
     from specdecode.cli_verify_cost import add_arguments as verify_cost_args
@@ -22,10 +24,13 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
     return {
         "generate": ("Generate text with or without speculative decoding.", generate_args),
         "models": ("List the named models or convert one now.", models_args),
+        "index": ("Build or inspect a retrieval datastore for --method suffix.", index_args),
         "verify-cost": ("Measure what verifying K draft tokens costs against one token.", verify_cost_args),
         "bench": ("Benchmark methods and peers side by side on workloads or a Spec-Bench file.", bench_args),
         "serve": ("Serve the OpenAI API (completions, chat, streaming, /metrics) with speculative decoding.",
                   serve_args),
+        "calibrate": ("Choose the layers --method self skips and store the choice next to the model.",
+                      calibrate_args),
     }
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli_options import add_draft_options
+from specdecode.cli_options import add_draft_options, add_method_options
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DRAFT_MODEL_METHODS, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
@@ -62,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model still stops early by --draft-confidence); both: "
                         "each method twice, fixed-K rows named METHOD+fixed (default: %(default)s)")
     add_draft_options(p, fixed_k=False)
+    add_method_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
                                         "summarization, rag, math, translation, or all")
@@ -170,7 +171,8 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
         raise InvalidConfigError(f"--methods includes draft_model but no --draft was given for {args.model!r}; "
                                  "pass --draft or drop draft_model")
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
-              draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize)
+              draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize,
+              datastore=args.datastore)
     first_ids = _check_lengths(llm, plan)
     contestants = our_contestants(llm, plan.runs)
     peer_settings: dict[str, Any] = {}

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.cli_options import add_draft_options, add_model_options
+from specdecode.cli_options import METHOD_HELP, add_draft_options, add_method_options, add_model_options
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
@@ -15,9 +15,7 @@ from specdecode.errors import InvalidConfigError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     p.add_argument("--method", choices=METHODS, default="none",
-                   help="none = plain decoding; ngram = prompt lookup; draft_model = a small model "
-                        "drafts; combined = n-gram when the context matches, else the draft model "
-                        "(default: %(default)s)")
+                   help=METHOD_HELP + " (default: %(default)s)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
                    help="draft tokens proposed per step (default: %(default)s)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -35,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
     add_draft_options(p)
+    add_method_options(p)
     p.add_argument("--compare", action="store_true",
                    help="also run --method none on the same input and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
@@ -50,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json,
               adaptive=not args.fixed_k, draft_quantize=args.draft_quantize,
-              draft_confidence=args.draft_confidence)
+              draft_confidence=args.draft_confidence, datastore=args.datastore)
     ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
     if not args.json and not args.compare:
         for event in llm.engine.stream(ids, params, llm.drafter(), args.k, llm.adaptive):

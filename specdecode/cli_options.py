@@ -8,6 +8,14 @@ from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, 
 
 DEFAULT_MODEL_NAME = "qwen2.5-coder-1.5b-instruct"
 
+METHOD_HELP = ("none = plain decoding; ngram = prompt lookup; draft_model = a small model drafts (one "
+               "of another vocabulary drafts through text); combined = n-gram when the context "
+               "matches, else the draft model; tree = the draft model's chain plus its second "
+               "choices and n-gram copies, verified as one token tree; lookahead = Jacobi "
+               "n-grams guessed and checked in the same forward; suffix = the longest seen suffix's "
+               "most frequent continuation (prompt, earlier requests, --datastore); self = the "
+               "target drafts with some of its layers skipped (see `specdecode calibrate`)")
+
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """``--model`` and ``--draft`` for commands that load the pair themselves (generate, serve)."""
@@ -33,3 +41,10 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
                    help="draft weights: int8 (cheaper drafts) or none (the --dtype); the output stays "
                         "exactly the target's either way (default: %(default)s)")
+
+
+def add_method_options(p: argparse.ArgumentParser) -> None:
+    """Options of the methods that need no draft model: ``--datastore`` for suffix."""
+    p.add_argument("--datastore", default=None, metavar="STORE",
+                   help="--method suffix: also draft from this datastore (made by `specdecode index "
+                        "build`); without it suffix drafts from the prompt and earlier requests")

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from specdecode.cli_options import add_draft_options, add_model_options
+from specdecode.cli_options import METHOD_HELP, add_draft_options, add_method_options, add_model_options
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS
 from specdecode.errors import InvalidConfigError
 
@@ -19,8 +19,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
     p.add_argument("--method", choices=METHODS, default="none",
-                   help="speculative method for every request: none, ngram, draft_model or combined "
-                        "(default: %(default)s)")
+                   help=METHOD_HELP + " (default: %(default)s)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
                    help="most draft tokens proposed per step (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1",
@@ -45,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "browser; repeatable (default: none)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     add_draft_options(p)
+    add_method_options(p)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="server log level (default: %(default)s)")
     p.set_defaults(run=run)
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
-              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence)
+              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, datastore=args.datastore)
     scheduler = Scheduler(llm, method=args.method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue)
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,

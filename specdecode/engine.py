@@ -151,6 +151,9 @@ class Generation:
 
     def finish(self) -> StreamEvent:
         """The last event, carrying the whole output and its stats."""
+        done = getattr(self.drafter, "finish", None)  # drafters that learn from whole requests
+        if done is not None:
+            done(self.seq)
         self.stats.completion_tokens = self.seq.num_generated
         self.stats.total_s = time.perf_counter() - self.started
         output = GenerationOutput(

@@ -11,7 +11,7 @@ from specdecode import LLM, SamplingParams
 
 SEEDS = range(6)
 # Every speculative method; each must reproduce plain greedy decoding token for token.
-SPEC_METHODS = ["ngram", "draft_model", "combined", "tree", "lookahead"]
+SPEC_METHODS = ["ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self"]
 
 
 def _prompt(seed: int) -> str:

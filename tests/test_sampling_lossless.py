@@ -59,7 +59,7 @@ def _prompt_with_likely_continuations(llm: LLM, params: SamplingParams) -> list[
     return pairs + tail
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "combined", "tree", "lookahead"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "combined", "tree", "lookahead", "suffix", "self"])
 def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, method):
     target, draft = tiny_pair
     llm = LLM(model=str(target), draft=str(draft), max_seq_len=300, progress=False)

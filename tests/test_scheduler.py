@@ -45,7 +45,7 @@ def _run_concurrently(scheduler: Scheduler, prompts, params):
         scheduler.close()
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined", "tree", "lookahead"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self"])
 def test_concurrent_requests_equal_solo_greedy(llm, method):
     prompts = _prompts(llm, 6)
     params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(6)]
