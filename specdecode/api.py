@@ -7,18 +7,22 @@ default given at construction).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
                                DRAFT_MODEL_METHODS, ModelSpec, SamplingParams, SpecConfig)
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.combined import CombinedDrafter
+from specdecode.drafters.cross_vocab import CrossVocabDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.self_spec import SelfSpecDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.tree import TreeDrafter
+from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine import Engine, GenerationOutput
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
@@ -79,21 +83,34 @@ class LLM:
         self.target = Decoder.from_dir(path, dtype)
         self.engine = Engine(self.target, self.tokenizer, max_seq_len)
         self.draft_model: Decoder | None = None
+        self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary
         if draft is not None:
             # The draft's numerics never affect exactness, so it takes the fast single-row path.
             draft_quantize = quant.usable_mode(draft_quantize, dtype)
-            self.draft_model = Decoder.from_dir(resolve_model(draft, progress=progress), dtype,
-                                                batch_invariant=False, quantize=draft_quantize)
-            if self.draft_model.config.vocab_size != self.target.config.vocab_size:
-                raise VocabularyMismatchError(
-                    f"draft {draft!r} has a vocabulary of {self.draft_model.config.vocab_size} tokens "
-                    f"but target {model!r} has {self.target.config.vocab_size}; use a draft of the "
-                    "same model family"
-                )
+            draft_path = resolve_model(draft, progress=progress)
+            self.draft_model = Decoder.from_dir(draft_path, dtype, batch_invariant=False, quantize=draft_quantize)
+            if self._cross_vocabulary(draft, draft_path):
+                self.draft_tokenizer = Tokenizer.from_dir(draft_path)
+                print(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "
+                      "translated through text (cross-vocabulary mode; the output is still exact)",
+                      file=sys.stderr)
         self.model_name, self.draft_name, self.model_dir = model, draft, path
         self._self_skip: list[int] | None = None  # layers --method self skips, read on first use
         self.suffix_history = SuffixHistory()  # earlier requests' tokens, shared by suffix drafters
         self._drafters: dict[str, Drafter] = {}
+
+    def _cross_vocabulary(self, draft: str, draft_path: Path) -> bool:
+        """Whether the draft needs its drafts translated through text. A draft folder without a
+        tokenizer is taken at its word when its vocabulary size matches, and refused otherwise."""
+        target_size, draft_size = self.target.config.vocab_size, self.draft_model.config.vocab_size
+        if not (draft_path / "tokenizer.json").is_file():
+            if draft_size == target_size:
+                return False
+            raise VocabularyMismatchError(
+                f"draft {draft!r} has a vocabulary of {draft_size} tokens but the target has {target_size}, "
+                "and no tokenizer.json to translate its drafts with; use a draft of the same model family "
+                "or a folder with its tokenizer")
+        return not same_vocabulary(self.tokenizer, Tokenizer.from_dir(draft_path), target_size, draft_size)
 
     def drafter(self, method: str | None = None) -> Drafter | None:
         """The (reused) drafter for ``method``; None for plain decoding."""
@@ -119,11 +136,19 @@ class LLM:
             return SelfSpecDrafter(self.target, self.self_skip, capacity, self.draft_confidence)
         if self.draft_model is None:
             raise InvalidConfigError(f"method {method!r} needs a draft model: pass draft=")
-        draft = DraftModelDrafter(self.draft_model, self.target.config.vocab_size, capacity,
-                                  self.draft_confidence)
+        if self.draft_tokenizer is not None:
+            draft = CrossVocabDrafter(self.draft_model, self.draft_tokenizer, self.tokenizer, capacity,
+                                      self.draft_confidence)
+        else:
+            draft = DraftModelDrafter(self.draft_model, self.target.config.vocab_size, capacity,
+                                      self.draft_confidence)
         if method == "draft_model":
             return draft
         if method == "tree":
+            if not isinstance(draft, DraftModelDrafter):
+                raise VocabularyMismatchError(f"method 'tree' branches on the draft's own token choices and "
+                                              f"needs a draft of the target's vocabulary; {self.draft_name!r} "
+                                              "has another one (use draft_model or combined with it)")
             return TreeDrafter(draft)
         return CombinedDrafter(draft, ngram_max=max(3, self.spec.ngram_max))
 

@@ -234,3 +234,14 @@ def test_sampling_runs_with_deterministic_drafts(llm, output_store):
     again = llm.engine.generate(prompt, params, SuffixDrafter(datastore=output_store), 4)
     assert len(out.token_ids) == 30 and out.stats.draft_tokens > 0
     assert again.token_ids == out.token_ids  # same seed, same drafts: reproducible
+
+
+def test_engine_feeds_finished_requests_to_the_shared_history(llm, plain):
+    """A fresh drafter per request (the server's way): the engine's finish hook fills the LLM's history."""
+    prompt = llm.tokenizer.encode(_prompt(1))
+    before = len(llm.suffix_history)
+    first = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), 8)
+    assert len(llm.suffix_history) > before
+    again = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), 8)
+    assert first.token_ids == again.token_ids == plain[1]
+    assert again.stats.target_steps < first.stats.target_steps

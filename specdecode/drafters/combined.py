@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from specdecode.drafters.base import DraftProposal, SequenceState
+from specdecode.drafters.cross_vocab import CrossVocabDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 
@@ -19,7 +20,7 @@ from specdecode.drafters.ngram import NgramDrafter
 class CombinedDrafter:
     name: ClassVar[str] = "combined"
 
-    def __init__(self, draft: DraftModelDrafter, min_match: int = 3, ngram_max: int = 4) -> None:
+    def __init__(self, draft: DraftModelDrafter | CrossVocabDrafter, min_match: int = 3, ngram_max: int = 4) -> None:
         self.draft = draft
         self.ngram = NgramDrafter(ngram_min=min_match, ngram_max=max(min_match, ngram_max))
 
