@@ -245,3 +245,11 @@ def test_engine_feeds_finished_requests_to_the_shared_history(llm, plain):
     again = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), 8)
     assert first.token_ids == again.token_ids == plain[1]
     assert again.stats.target_steps < first.stats.target_steps
+
+
+def test_history_clear_forgets_earlier_requests():
+    history = SuffixHistory()
+    history.add([1, 2, 3, 4, 5])
+    assert history.match([1, 2, 3], 2, 8) is not None
+    history.clear()
+    assert len(history) == 0 and history.match([1, 2, 3], 2, 8) is None

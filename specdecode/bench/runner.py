@@ -102,6 +102,9 @@ def our_contestants(llm: LLM, runs: Sequence[RunSpec]) -> list[Contestant]:
 
         def generate(ids: list[int], params: SamplingParams, drafter=drafter, k=k,
                      adaptive=run.adaptive) -> GenerationOutput:
+            # Each request is measured on its own: a history holding the warm-up or an earlier
+            # repeat of this very prompt would flatter drafters that learn across requests.
+            llm.suffix_history.clear()
             return llm.engine.generate(ids, params, drafter, k, adaptive)
 
         contestants.append(Contestant(run.name, run.method, run.k, "ours", generate))

@@ -53,6 +53,11 @@ class SuffixHistory:
                 self._table = table
             self._table.extend(new)
 
+    def clear(self) -> None:
+        """Forget every earlier request (a benchmark measures each request on its own)."""
+        with self._lock:
+            self._table = NgramTable(self.levels, self._table.cap)
+
     def match(self, context: Sequence[int], min_len: int, max_len: int) -> TableMatch | None:
         """The longest suffix of ``context`` seen in earlier requests (see ``NgramTable.match``).
 
