@@ -103,3 +103,30 @@ def test_models_list_json():
 def test_models_pull_unknown_name_exit_2():
     res = run_cli("models", "pull", "nope-7b")
     assert res.returncode == 2 and "nope-7b" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("method", ["tree", "lookahead", "suffix", "self"])
+def test_generate_runs_every_new_method_identically(tiny_pair, method):
+    target, draft = tiny_pair
+    res = run_cli("generate", "--model", str(target), "--draft", str(draft), "--method", method,
+                  "--prompt", "abc abc abc abc", "--max-tokens", "16", "--compare", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["method"] == method and report["identical"] is True
+
+
+def test_suffix_with_a_datastore_from_index_build(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    store = tmp_path / "store"
+    built = run_cli("index", "build", str(docs), "-o", str(store), "--model", str(target), "--no-progress")
+    assert built.returncode == 0, built.stderr
+    res = run_cli("generate", "--model", str(target), "--method", "suffix", "--datastore", str(store),
+                  "--prompt", "the quick brown", "--max-tokens", "12", "--compare", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["identical"] is True
+    missing = run_cli("generate", "--model", str(target), "--method", "suffix", "--datastore",
+                      str(tmp_path / "nope"), "--prompt", "x")
+    assert missing.returncode == 2 and "index build" in missing.stderr

@@ -14,7 +14,6 @@ Tokenizers used here:
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -29,7 +28,7 @@ from specdecode.drafters.vocab import continue_ids, same_vocabulary, stable_cont
 from specdecode.models.decoder import Decoder
 from specdecode.tokenizer import Tokenizer, build_byte_level_bpe
 from tests.conftest import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
-from tests.test_sampling_lossless import chi2_critical, exact_joint
+from tests.test_sampling_lossless import assert_sampled_joint_is_exact
 
 MERGED_VOCAB = 300
 MERGED_WORDS = [" def", " return", " self", " class", " foobar", "    ", "\n\n", "é", "日本", "(x)", " x", "ab"]
@@ -396,31 +395,8 @@ def test_sampling_has_the_exact_target_distribution(char_llm, char_oracle):
     _, draft = char_oracle
     drafter = CrossVocabDrafter(Decoder.from_dir(draft, batch_invariant=False), Tokenizer.from_dir(draft),
                                 char_llm.tokenizer, 64)
-    base = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     ids = char_llm.tokenizer.encode(_char_prompt(2))[:12]
-    exact = exact_joint(char_llm, ids, base, depth=3)
-    assert len(exact) == 27 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
-    trials = 1500
-    counts: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(trials):
-        params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
-        out = char_llm.engine.generate(ids, params, drafter, 2, adaptive=False)
-        counts[tuple(out.token_ids[:3])] += 1
-        drafted, accepted = drafted + out.stats.draft_tokens, accepted + out.stats.accepted_tokens
-    assert set(counts) <= set(exact)
-    assert drafted > 0 and 0 < accepted < drafted  # both the accept and the reject paths ran
-    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell, p in exact.items():
-        e = p * trials
-        if e < 5:
-            pool_obs, pool_exp = pool_obs + counts[cell], pool_exp + e
-            continue
-        stat, dof = stat + (counts[cell] - e) ** 2 / e, dof + 1
-    if pool_exp > 0:
-        stat, dof = stat + (pool_obs - pool_exp) ** 2 / pool_exp, dof + 1
-    assert dof >= 5
-    assert stat < chi2_critical(dof), f"chi2 {stat:.1f} with {dof} dof"
+    assert_sampled_joint_is_exact(char_llm, ids, drafter, adaptive=False)
 
 
 def test_draft_end_of_sequence_becomes_the_target_end(char_llm, tmp_path):

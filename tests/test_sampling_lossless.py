@@ -59,31 +59,29 @@ def _prompt_with_likely_continuations(llm: LLM, params: SamplingParams) -> list[
     return pairs + tail
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "combined", "tree", "lookahead", "suffix", "self"])
-def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, method):
-    target, draft = tiny_pair
-    llm = LLM(model=str(target), draft=str(draft), max_seq_len=300, progress=False)
+def assert_sampled_joint_is_exact(llm: LLM, ids: list[int], drafter, k: int = 2, adaptive: bool = True,
+                                  trials: int = TRIALS) -> None:
+    """Sample 3 tokens ``trials`` times with ``drafter`` (top_k = 3, so 27 cells) and chi-square
+    the joint law of the first three against the exact one; the 2nd and 3rd pass verification."""
     base = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
-    ids = _prompt_with_likely_continuations(llm, base)
     exact = exact_joint(llm, ids, base, depth=3)
     assert len(exact) == 27 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
-
     counts: Counter = Counter()
     drafted = accepted = 0
-    for seed in range(TRIALS):
+    for seed in range(trials):
         # max_tokens=4 lets the first verify step carry 2 drafts; the law of tokens 1..3 is checked.
         params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
-        out = llm.engine.generate(ids, params, llm.drafter(method), 2)
+        out = llm.engine.generate(ids, params, drafter, k, adaptive)
         counts[tuple(out.token_ids[:3])] += 1
         drafted += out.stats.draft_tokens
         accepted += out.stats.accepted_tokens
-    assert sum(counts.values()) == TRIALS and set(counts) <= set(exact)
+    assert sum(counts.values()) == trials and set(counts) <= set(exact)
     assert drafted > 0 and 0 < accepted < drafted  # both accept and reject paths ran
 
     # Pool cells with small expectations so the chi-square approximation holds.
     stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
     for cell, p in exact.items():
-        e = p * TRIALS
+        e = p * trials
         if e < 5:
             pool_obs, pool_exp = pool_obs + counts[cell], pool_exp + e
             continue
@@ -94,6 +92,14 @@ def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, method):
         dof += 1
     assert dof >= 5
     assert stat < chi2_critical(dof), f"chi2 {stat:.1f} with {dof} dof"
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "combined", "tree", "lookahead", "suffix", "self"])
+def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, method):
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=300, progress=False)
+    ids = _prompt_with_likely_continuations(llm, SamplingParams(max_tokens=3, temperature=1.0, top_k=3))
+    assert_sampled_joint_is_exact(llm, ids, llm.drafter(method))
 
 
 def test_same_seed_same_sample(tiny_pair):

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from specdecode.models.layer_choice import (SKIP_FILE_NAME, check_skip, default_
 from specdecode.models.layer_skip import skip_layers
 from tests.conftest import make_tiny_llm
 from tests.test_lossless import _prompt
-from tests.test_sampling_lossless import chi2_critical, exact_joint
+from tests.test_sampling_lossless import assert_sampled_joint_is_exact
 
 SEEDS = range(6)
 LAYERS = 4
@@ -158,34 +156,8 @@ def test_seeded_sampling_is_reproducible(llm):
 
 def test_sampled_tokens_follow_the_exact_target_distribution(llm):
     """The joint law of the first three tokens (the 2nd and 3rd pass through verification)."""
-    trials = 1500
-    drafter = SelfSpecDrafter(llm.target, [1], 512)
-    base = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     ids = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(3)).tolist()
-    exact = exact_joint(llm, ids, base, depth=3)
-    assert len(exact) == 27 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
-    counts: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(trials):
-        params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
-        out = llm.engine.generate(ids, params, drafter, 2)
-        counts[tuple(out.token_ids[:3])] += 1
-        drafted += out.stats.draft_tokens
-        accepted += out.stats.accepted_tokens
-    assert set(counts) <= set(exact) and 0 < accepted < drafted
-    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell, p in exact.items():
-        e = p * trials
-        if e < 5:
-            pool_obs, pool_exp = pool_obs + counts[cell], pool_exp + e
-            continue
-        stat += (counts[cell] - e) ** 2 / e
-        dof += 1
-    if pool_exp > 0:
-        stat += (pool_obs - pool_exp) ** 2 / pool_exp
-        dof += 1
-    assert dof >= 5
-    assert stat < chi2_critical(dof), f"chi2 {stat:.1f} with {dof} dof"
+    assert_sampled_joint_is_exact(llm, ids, SelfSpecDrafter(llm.target, [1], 512))
 
 
 # --- calibration ----------------------------------------------------------------------------------
