@@ -17,7 +17,8 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.combined import CombinedDrafter
 from specdecode.drafters.cross_vocab import CrossVocabDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.lookahead import LookaheadDrafter
+from specdecode.drafters.lookahead import (LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW,
+                                           LookaheadDrafter)
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.self_spec import SelfSpecDrafter
 from specdecode.drafters.suffix import SuffixDrafter
@@ -56,6 +57,9 @@ class LLM:
         draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
         draft_quantize: str | None = DEFAULT_DRAFT_QUANTIZE,
         datastore: str | None = None,
+        lookahead_window: int = LOOKAHEAD_WINDOW,
+        lookahead_ngram: int = LOOKAHEAD_NGRAM,
+        lookahead_candidates: int = LOOKAHEAD_CANDIDATES,
     ) -> None:
         """``adaptive``: the draft length follows each request's acceptance, up to
         ``num_speculative_tokens`` (False: that many every step). ``draft_confidence``: the draft
@@ -66,11 +70,14 @@ class LLM:
         exactness unaffected; None or "none" keeps it in ``dtype``. Without fbgemm (non-x86
         builds of torch) int8 falls back to ``dtype`` with a warning.
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
-        also drafts from each prompt and from earlier requests without one."""
+        also drafts from each prompt and from earlier requests without one.
+        ``lookahead_*``: window, n-gram size and verified candidates of ``method="lookahead"``."""
         self.spec = SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max)
         if not 0.0 <= draft_confidence < 1.0:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
         self.adaptive, self.draft_confidence = adaptive, draft_confidence
+        self.lookahead = (lookahead_window, lookahead_ngram, lookahead_candidates)
+        LookaheadDrafter(*self.lookahead)  # validates the settings before any weights load
         self.model_spec = ModelSpec(model, dtype, max_seq_len)
         if draft is None and method in DRAFT_MODEL_METHODS:
             draft = DEFAULT_DRAFTS.get(model)
@@ -129,7 +136,7 @@ class LLM:
         if method == "ngram":
             return NgramDrafter(self.spec.ngram_min, self.spec.ngram_max)
         if method == "lookahead":
-            return LookaheadDrafter()
+            return LookaheadDrafter(*self.lookahead)
         if method == "suffix":
             return SuffixDrafter(self.datastore, self.suffix_history)
         if method == "self":

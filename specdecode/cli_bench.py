@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli_options import add_draft_options, add_method_options
+from specdecode.cli_options import add_draft_options, add_method_options, method_options
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DRAFT_MODEL_METHODS, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
@@ -172,7 +172,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
                                  "pass --draft or drop draft_model")
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
               draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize,
-              datastore=args.datastore)
+              **method_options(args))
     first_ids = _check_lengths(llm, plan)
     contestants = our_contestants(llm, plan.runs)
     peer_settings: dict[str, Any] = {}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES
+from specdecode.drafters.lookahead import LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW
 
 DEFAULT_MODEL_NAME = "qwen2.5-coder-1.5b-instruct"
 
@@ -44,7 +46,20 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
 
 
 def add_method_options(p: argparse.ArgumentParser) -> None:
-    """Options of the methods that need no draft model: ``--datastore`` for suffix."""
+    """Options of the methods that need no draft model: suffix's datastore, lookahead's window."""
     p.add_argument("--datastore", default=None, metavar="STORE",
                    help="--method suffix: also draft from this datastore (made by `specdecode index "
                         "build`); without it suffix drafts from the prompt and earlier requests")
+    p.add_argument("--lookahead-window", type=int, default=LOOKAHEAD_WINDOW, metavar="W",
+                   help="--method lookahead: positions guessed ahead in parallel (default: %(default)s)")
+    p.add_argument("--lookahead-ngram", type=int, default=LOOKAHEAD_NGRAM, metavar="N",
+                   help="--method lookahead: n-gram size; N - 1 Jacobi levels are kept and each "
+                        "verified guess has N - 1 tokens (default: %(default)s)")
+    p.add_argument("--lookahead-candidates", type=int, default=LOOKAHEAD_CANDIDATES, metavar="G",
+                   help="--method lookahead: n-grams verified per step (default: %(default)s)")
+
+
+def method_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM`` keyword arguments from the flags of ``add_method_options``."""
+    return dict(datastore=args.datastore, lookahead_window=args.lookahead_window,
+                lookahead_ngram=args.lookahead_ngram, lookahead_candidates=args.lookahead_candidates)

@@ -9,7 +9,8 @@ import os
 import socket
 import sys
 
-from specdecode.cli_options import METHOD_HELP, add_draft_options, add_method_options, add_model_options
+from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
+                                    method_options)
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS
 from specdecode.errors import InvalidConfigError
 
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
-              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, datastore=args.datastore)
+              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence,
+              **method_options(args))
     scheduler = Scheduler(llm, method=args.method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue)
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,

@@ -130,3 +130,15 @@ def test_suffix_with_a_datastore_from_index_build(tiny_pair, tmp_path):
     missing = run_cli("generate", "--model", str(target), "--method", "suffix", "--datastore",
                       str(tmp_path / "nope"), "--prompt", "x")
     assert missing.returncode == 2 and "index build" in missing.stderr
+
+
+def test_lookahead_settings_are_flags_and_bad_ones_exit_2(tiny_pair):
+    target, _ = tiny_pair
+    res = run_cli("generate", "--model", str(target), "--method", "lookahead", "--lookahead-window", "2",
+                  "--lookahead-ngram", "4", "--lookahead-candidates", "1", "--prompt", "ab ab ab",
+                  "--max-tokens", "10", "--compare", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["identical"] is True
+    bad = run_cli("generate", "--model", str(target), "--method", "lookahead", "--lookahead-ngram", "1",
+                  "--prompt", "x")
+    assert bad.returncode == 2 and "ngram" in bad.stderr

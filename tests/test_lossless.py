@@ -152,3 +152,16 @@ def test_draft_length_out_of_range_is_refused(llm):
 
     with pytest.raises(InvalidConfigError):
         llm.generate("abc", _greedy(4), method="ngram", num_speculative_tokens=100)
+
+
+@pytest.mark.parametrize("window, ngram, candidates", [(1, 2, 1), (6, 4, 5), (3, 5, 0)])
+def test_lookahead_settings_keep_identity(llm, window, ngram, candidates):
+    from specdecode.drafters.lookahead import LookaheadDrafter
+
+    drafter = LookaheadDrafter(window, ngram, candidates)
+    for seed in SEEDS:
+        ids = llm.tokenizer.encode(_prompt(seed))
+        plain = llm.engine.generate(ids, _greedy(), None, 1)
+        out = llm.engine.generate(ids, _greedy(), drafter, 8)
+        assert out.token_ids == plain.token_ids, (window, ngram, candidates, seed)
+        assert out.stats.draft_tokens > 0

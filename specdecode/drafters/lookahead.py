@@ -33,13 +33,16 @@ from specdecode.drafters.tree import TokenTrie
 from specdecode.errors import InvalidConfigError
 
 MAX_POOL_PER_TOKEN = 8  # n-grams kept per first token, most recent first
+# Defaults: at most 4 * 2 window rows + 3 * 2 candidate rows, a verify about 1.3x a plain step here.
+LOOKAHEAD_WINDOW, LOOKAHEAD_NGRAM, LOOKAHEAD_CANDIDATES = 4, 3, 3
 
 
 class LookaheadDrafter:
     name: ClassVar[str] = "lookahead"
     adapts_length: ClassVar[bool] = False  # the tree's depth is the window's, not a draft length
 
-    def __init__(self, window: int = 4, ngram: int = 3, candidates: int = 3) -> None:
+    def __init__(self, window: int = LOOKAHEAD_WINDOW, ngram: int = LOOKAHEAD_NGRAM,
+                 candidates: int = LOOKAHEAD_CANDIDATES) -> None:
         if window < 1 or ngram < 2 or candidates < 0:
             raise InvalidConfigError(
                 f"lookahead needs window >= 1, ngram >= 2 and candidates >= 0; got {window}, {ngram}, {candidates}")
