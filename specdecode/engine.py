@@ -95,8 +95,9 @@ class Generation:
         if len(seq.token_ids) >= self.max_seq_len:
             self.stops.mark_length()
             return None
+        # Drafts plus the one token every step adds must fit both limits, as in plain decoding.
         budget = min(self.draft_length.k, params.max_tokens - seq.num_generated - 1,
-                     self.max_seq_len - len(seq.token_ids))
+                     self.max_seq_len - len(seq.token_ids) - 1)
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
         # A tree may hold more nodes than its depth: keep it within the cache and the widest

@@ -165,3 +165,18 @@ def test_lookahead_settings_keep_identity(llm, window, ngram, candidates):
         out = llm.engine.generate(ids, _greedy(), drafter, 8)
         assert out.token_ids == plain.token_ids, (window, ngram, candidates, seed)
         assert out.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_context_limit_is_exact(tiny_pair, method):
+    """At a full context every method stops where plain decoding stops, with the same tokens (a
+    step's drafts plus its extra token must fit; a tree is also cut to the cache's room)."""
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=60, progress=False)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    prompt = "ab ab ab ab ab ab ab ab ab ab ab"
+    plain = llm.generate(prompt, params, method="none")[0]
+    out = llm.generate(prompt, params, method=method)[0]
+    assert out.finish_reason == plain.finish_reason == "length"
+    assert out.token_ids == plain.token_ids
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 60

@@ -101,3 +101,4 @@ def test_trie_merges_shared_prefixes_and_respects_its_limit():
     assert proposal.is_tree and proposal.depth == 3 and proposal.k == 5
     assert children_by_row(proposal.parents) == [[0, 4], [1], [2, 3], [], [], []]
     assert proposal.truncated(3).parents == (-1, 0, 1) and not proposal.truncated(3).is_tree
+
