@@ -57,9 +57,11 @@ class TreeDrafter:
     name: ClassVar[str] = "tree"
 
     def __init__(self, draft: DraftModelDrafter, branch_positions: int = 2, ngram_branches: int = 2,
-                 max_nodes: int = 16) -> None:
-        """``branch_positions``: chain positions that also get the draft's second choice (as a
-        leaf); ``ngram_branches``: copied continuations added; ``max_nodes``: tree size cap."""
+                 max_nodes: int = 16, sibling_below: float = 0.8) -> None:
+        """``branch_positions``: chain positions that may also get the draft's second choice (as
+        a leaf), where the draft's own top choice has probability below ``sibling_below``;
+        ``ngram_branches``: copied continuations added; ``max_nodes``: tree size cap."""
+        self.sibling_below = sibling_below
         self.draft = draft
         self.ngram = NgramDrafter(ngram_min=2, ngram_max=4)
         self.branch_positions = branch_positions
@@ -77,14 +79,17 @@ class TreeDrafter:
 
         def second_choice(logits: Tensor) -> None:  # [1, V]
             if len(seconds) < self.branch_positions:
-                seconds.append(int(logits[0].topk(2).indices[1]))
+                top = torch.softmax(logits[0], -1).topk(2)
+                # A sure draft's runner-up is rarely right: no row for it (-1: no sibling here).
+                seconds.append(int(top.indices[1]) if float(top.values[0]) < self.sibling_below else -1)
 
         chain = self.draft.draft(seq, k, argmax=True, on_step=second_choice).tokens.tolist()
         self._chain, self._committed = chain, len(seq.token_ids)
         trie = TokenTrie()
         trie.insert(chain, self.max_nodes)
         for i, alt in enumerate(seconds[: len(chain)]):
-            trie.insert(chain[:i] + [alt], self.max_nodes)
+            if alt >= 0:
+                trie.insert(chain[:i] + [alt], self.max_nodes)
         for copy in self.ngram.continuations(seq.token_ids, k, self.ngram_branches):
             trie.insert(copy, self.max_nodes)
         return trie.proposal()
