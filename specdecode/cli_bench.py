@@ -172,7 +172,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
                                  "pass --draft or drop draft_model")
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
               draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize,
-              **method_options(args))
+              **method_options(args, [r.method for r in plan.runs]))
     first_ids = _check_lengths(llm, plan)
     contestants = our_contestants(llm, plan.runs)
     peer_settings: dict[str, Any] = {}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES
@@ -59,7 +61,11 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
                    help="--method lookahead: n-grams verified per step (default: %(default)s)")
 
 
-def method_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``LLM`` keyword arguments from the flags of ``add_method_options``."""
+def method_options(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Any]:
+    """``LLM`` keyword arguments from the flags of ``add_method_options``; says so when
+    ``--datastore`` is given but none of ``methods`` (the ones this command runs) reads it."""
+    if args.datastore and "suffix" not in methods:
+        print("specdecode: note: --datastore is used by --method suffix only; it is ignored here",
+              file=sys.stderr)
     return dict(datastore=args.datastore, lookahead_window=args.lookahead_window,
                 lookahead_ngram=args.lookahead_ngram, lookahead_candidates=args.lookahead_candidates)

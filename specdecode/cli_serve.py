@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
               draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence,
-              **method_options(args))
+              **method_options(args, [args.method]))
     scheduler = Scheduler(llm, method=args.method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue)
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,

@@ -142,3 +142,16 @@ def test_lookahead_settings_are_flags_and_bad_ones_exit_2(tiny_pair):
     bad = run_cli("generate", "--model", str(target), "--method", "lookahead", "--lookahead-ngram", "1",
                   "--prompt", "x")
     assert bad.returncode == 2 and "ngram" in bad.stderr
+
+
+def test_datastore_without_suffix_is_noted(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("some text to index\n")
+    assert run_cli("index", "build", str(docs), "-o", str(tmp_path / "s"), "--model", str(target),
+                   "--no-progress").returncode == 0
+    res = run_cli("generate", "--model", str(target), "--method", "ngram", "--datastore", str(tmp_path / "s"),
+                  "--prompt", "ab", "--max-tokens", "3")
+    assert res.returncode == 0, res.stderr
+    assert "--datastore is used by --method suffix only" in res.stderr
