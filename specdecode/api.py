@@ -96,8 +96,8 @@ class LLM:
             draft_quantize = quant.usable_mode(draft_quantize, dtype)
             draft_path = resolve_model(draft, progress=progress)
             self.draft_model = Decoder.from_dir(draft_path, dtype, batch_invariant=False, quantize=draft_quantize)
-            if self._cross_vocabulary(draft, draft_path):
-                self.draft_tokenizer = Tokenizer.from_dir(draft_path)
+            self.draft_tokenizer = self._foreign_tokenizer(draft, draft_path)
+            if self.draft_tokenizer is not None:
                 print(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "
                       "translated through text (cross-vocabulary mode; the output is still exact)",
                       file=sys.stderr)
@@ -106,18 +106,20 @@ class LLM:
         self.suffix_history = SuffixHistory()  # earlier requests' tokens, shared by suffix drafters
         self._drafters: dict[str, Drafter] = {}
 
-    def _cross_vocabulary(self, draft: str, draft_path: Path) -> bool:
-        """Whether the draft needs its drafts translated through text. A draft folder without a
-        tokenizer is taken at its word when its vocabulary size matches, and refused otherwise."""
+    def _foreign_tokenizer(self, draft: str, draft_path: Path) -> Tokenizer | None:
+        """The draft's tokenizer when its drafts must be translated through text (another
+        vocabulary), else None. A draft folder without a tokenizer is taken at its word when its
+        vocabulary size matches, and refused otherwise."""
         target_size, draft_size = self.target.config.vocab_size, self.draft_model.config.vocab_size
         if not (draft_path / "tokenizer.json").is_file():
             if draft_size == target_size:
-                return False
+                return None
             raise VocabularyMismatchError(
                 f"draft {draft!r} has a vocabulary of {draft_size} tokens but the target has {target_size}, "
                 "and no tokenizer.json to translate its drafts with; use a draft of the same model family "
                 "or a folder with its tokenizer")
-        return not same_vocabulary(self.tokenizer, Tokenizer.from_dir(draft_path), target_size, draft_size)
+        tokenizer = Tokenizer.from_dir(draft_path)
+        return None if same_vocabulary(self.tokenizer, tokenizer, target_size, draft_size) else tokenizer
 
     def drafter(self, method: str | None = None) -> Drafter | None:
         """The (reused) drafter for ``method``; None for plain decoding."""

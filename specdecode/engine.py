@@ -26,7 +26,7 @@ from specdecode.stats import RequestStats
 from specdecode.stops import StopChecker
 from specdecode.tokenizer import Tokenizer
 from specdecode.verify import verify_greedy, verify_rejection
-from specdecode.verify_tree import verify_tree_greedy, verify_tree_rejection
+from specdecode.verify_tree import TreeVerifyResult, verify_tree_greedy, verify_tree_rejection
 
 
 @dataclass(slots=True)
@@ -143,7 +143,7 @@ class Generation:
             stats.draft_s += time.perf_counter() - t0
         return StreamEvent(self.stops.take_text(), new)
 
-    def _verify_tree(self, logits: Tensor):
+    def _verify_tree(self, logits: Tensor) -> TreeVerifyResult:
         seq, proposal = self.seq, self.proposal
         if seq.params.greedy:
             return verify_tree_greedy(proposal.tokens, proposal.parents, logits)
