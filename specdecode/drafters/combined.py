@@ -1,16 +1,10 @@
-"""Combined drafting: the draft model, told in advance what the context suggests comes next.
+"""Combined drafting: copy from the context when it has a strong match, else ask the draft model.
 
 Prompt lookup is free and, when the answer repeats the context (code edits, summaries, RAG),
-its copies are long, but it drafts nothing on new text and copies blindly where the text
-diverges; the draft model works everywhere but costs a forward per token. This drafter hands the
-n-gram copy (when the current suffix of at least ``min_match`` tokens occurred before) to the
-draft model as a guess: the draft scores the whole copy in one forward and keeps it exactly as
-far as its own choices agree, then drafts on by itself (``DraftModelDrafter.draft``). Its drafts
-are the draft model's own, at one forward for an agreed copy instead of one per token.
-
-A draft of another vocabulary cannot score our tokens, so with one (``CrossVocabDrafter``) the
-drafter falls back to choosing: the n-gram copy when there is one, else the draft model. The
-draft model's cache catches up lazily on committed tokens it did not see.
+accepts long runs; the draft model costs a forward per token but works everywhere. This drafter
+uses an n-gram match when the current suffix of at least ``min_match`` tokens occurred before,
+and the draft model otherwise. The draft model's cache catches up lazily on the committed tokens
+it did not see, so switching between the two costs one multi-token draft forward.
 """
 
 from __future__ import annotations
@@ -35,9 +29,6 @@ class CombinedDrafter:
         self.draft.begin(seq)
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
-        if isinstance(self.draft, DraftModelDrafter):
-            copies = self.ngram.continuations(seq.token_ids, k, limit=1)
-            return self.draft.draft(seq, k, seq.params.greedy, None, guess=copies[0] if copies else ())
         proposal = self.ngram.propose(seq, k)
         return proposal if proposal.k else self.draft.propose(seq, k)
 

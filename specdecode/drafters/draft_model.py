@@ -15,7 +15,7 @@ Rejected drafts are rolled back with ``cache.trim``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -49,57 +49,37 @@ class DraftModelDrafter:
         return self.draft(seq, k, seq.params.greedy, on_step=None)
 
     def draft(self, seq: SequenceState, k: int, argmax: bool,
-              on_step: Callable[[Tensor], None] | None, guess: Sequence[int] = ()) -> DraftProposal:
+              on_step: Callable[[Tensor], None] | None) -> DraftProposal:
         """Up to ``k`` tokens, each the draft's argmax (``argmax``) or a sample from its
-        distribution under the request's sampling rule; ``on_step`` sees each step's logits [1, V].
-
-        ``guess`` is a likely continuation (say, an n-gram copy from the context). It is fed with
-        the pending tokens in the first forward, so wherever the draft's choice equals the guess
-        the next step's logits are already computed: a run of right guesses costs one forward
-        instead of one per token. The choices themselves are made exactly as without a guess
-        (the guess never picks a token), and a guessed token's logits are only read if every
-        guess before it was chosen. A chosen guess is free, so it does not stop the draft early.
-        """
+        distribution under the request's sampling rule; ``on_step`` sees each step's logits [1, V]."""
         k = min(k, self.cache.capacity - len(seq.token_ids))
         if k <= 0:
             return DraftProposal(torch.empty(0, dtype=torch.long), None)
-        guess = list(guess[: k - 1])  # token k is never fed, so a k-th guess would save nothing
-        pending = seq.token_ids[self._cached :]
-        ahead = self.model.forward(torch.tensor(pending + guess, dtype=torch.long), self.cache,
-                                   last_rows=len(guess) + 1)  # [1 + len(guess), V]
+        pending = torch.tensor(seq.token_ids[self._cached :], dtype=torch.long)
+        logits = self.model.forward(pending, self.cache, last_only=True)
         self._cached = len(seq.token_ids)
         params = seq.params
-        tokens: list[int] = []
-        probs: list[Tensor] = []
+        tokens, probs = [], []
         cumulative = 1.0
         for i in range(k):
-            logits = ahead[i : i + 1]
             if on_step is not None:
                 on_step(logits)
             if argmax:
-                token = int(greedy(logits))
+                token = greedy(logits)
                 p_token = 1.0 if self.confidence <= 0 else float(torch.softmax(logits[0], -1)[token])
             else:
                 p = logits_to_probs(logits, params)
-                token = int(sample(p, seq.generator))
+                token = sample(p, seq.generator)
                 probs.append(p[0])
                 p_token = float(p[0, token])
             cumulative *= p_token
+            sure = cumulative >= self.confidence
             tokens.append(token)
-            guessed = i < len(guess) and guess[i] == token
-            if i + 1 == k or not (guessed or cumulative >= self.confidence):
+            if i + 1 == k or not sure:
                 break
-            if not guessed:
-                self._drop_guesses(len(guess) - i)
-                guess = guess[:i]
-                ahead = torch.cat([ahead[: i + 1], self.model.forward(torch.tensor([token]), self.cache)])
-        # The cache must hold the committed tokens and drafts 1..K-1, as without a guess.
-        self._drop_guesses(self.cache.length - self._cached - (len(tokens) - 1))
-        return DraftProposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
-
-    def _drop_guesses(self, n: int) -> None:
-        if n > 0:
-            self.cache.trim(n)
+            logits = self.model.forward(token, self.cache)
+        drafted = torch.cat(tokens)
+        return DraftProposal(drafted, torch.stack(probs) if probs else None)
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         # The cache holds committed tokens plus drafts 1..K-1; keep the accepted drafts only.

@@ -106,20 +106,18 @@ class Decoder:
         return self.config.max_position_embeddings
 
     def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = False,
-                tree: Sequence[int] | None = None, last_rows: int | None = None) -> Tensor:
+                tree: Sequence[int] | None = None) -> Tensor:
         """Run ``tokens`` [N] at the next N cache slots; return logits [N, V] (or [1, V]).
 
         Row i attends to every cached token and to rows 0..i (causal). The cache length grows by N.
         With ``tree`` (row i's parent row, -1 for row 0), row i attends to the cache and its own
-        ancestors instead; see ``forward_batch``. ``last_rows`` returns logits for the last rows
-        only, [last_rows, V]: the LM head is a large matmul, skipped for rows nobody reads.
+        ancestors instead; see ``forward_batch``.
         """
-        return self.forward_batch([(tokens, cache)], last_only, [tree], last_rows)[0]
+        return self.forward_batch([(tokens, cache)], last_only, [tree])[0]
 
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[tuple[Tensor, KVCache]], last_only: bool = False,
-                      trees: Sequence[Sequence[int] | None] | None = None,
-                      last_rows: int | None = None) -> list[Tensor]:
+                      trees: Sequence[Sequence[int] | None] | None = None) -> list[Tensor]:
         """One forward for several sequences, each ``(tokens [N_i], its own cache)``.
 
         The rows of all sequences share every linear layer (one pass over the weights, which is
@@ -153,14 +151,8 @@ class Decoder:
         if last_only:
             ends = torch.tensor([v.n for v in views]).cumsum(0) - 1
             x = x[ends]
-        elif last_rows is not None:
-            if len(views) != 1 or not 1 <= last_rows <= views[0].n:
-                raise ValueError(f"last_rows={last_rows} needs one segment of at least that many rows")
-            x = x[-last_rows:]
         x = kernels.rms_norm(x, self.norm, cfg.rms_norm_eps)
         logits = linear(x, self.lm_head).float()
-        if last_rows is not None and not last_only:
-            return [logits]
         return list(logits.split(1 if last_only else [v.n for v in views]))
 
     def _view(self, n: int, cache: KVCache, tree: Sequence[int] | None, group: int) -> _SegmentView:
