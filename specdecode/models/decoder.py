@@ -56,6 +56,7 @@ class Decoder:
         ``quantize="int8"``: int8 linear weights (for draft models; see ``quant.py``)."""
         self.config = config
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
         self._linear = _pick_linear(dtype, batch_invariant, native)
         self.embed = packed["embed"]  # [V, D]
         self.lm_head = packed.get("lm_head", self.embed)  # [V, D]
@@ -191,7 +192,8 @@ class Decoder:
         cfg = self.config
         n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         scale = 1.0 / math.sqrt(d)
-        h = kernels.rms_norm(x, w.in_norm, cfg.rms_norm_eps)
+        rms_norm = kernels.rms_norm if self.batch_invariant else kernels.rms_norm_fast
+        h = rms_norm(x, w.in_norm, cfg.rms_norm_eps)
         qkv = linear(h, w.qkv)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
@@ -203,6 +205,9 @@ class Decoder:
         for seg in views:
             rows = slice(row, row + seg.n)
             row += seg.n
+            if seg.branches is None and not self.batch_invariant:
+                outs.append(_attend_fast(q[rows], k[rows], v[rows], seg.cache, i, seg.start, scale))
+                continue
             if seg.branches is None:
                 outs.append(_attend(q[rows], k[rows], v[rows], seg.cache, i, seg.start, seg.span, seg.bias, scale))
                 continue
@@ -216,7 +221,7 @@ class Decoder:
             outs.append(out)
         attn = torch.cat(outs) if len(outs) > 1 else outs[0]
         x = x + linear(attn, w.o)
-        h = kernels.rms_norm(x, w.post_norm, cfg.rms_norm_eps)
+        h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
         gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
         return x + linear(torch.nn.functional.silu(gate) * up, w.down)
 
@@ -233,6 +238,24 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, start: 
     qg = q.reshape(n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
     attn = kernels.attention(qg, cache.k[layer, :, :span], cache.v[layer, :, :span], bias, scale)
     return attn.view(hkv, hq // hkv, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
+
+
+def _attend_fast(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, start: int,
+                 scale: float) -> Tensor:
+    """``_attend`` through one fused SDPA call, for models whose rows need not be batch-invariant
+    (drafts: the target verifies every token they propose). Their steps are a few milliseconds,
+    so the invariant path's dozen small ops per layer are a large share of them."""
+    n, hq, d = q.shape
+    end = start + n
+    cache.k[layer, :, start:end] = k.transpose(0, 1)
+    cache.v[layer, :, start:end] = v.transpose(0, 1)
+    mask = None
+    if n > 1:  # row i sees slots 0 .. start + i
+        mask = torch.arange(end)[None, :] <= (start + torch.arange(n))[:, None]  # [N, end]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], cache.k[layer, :, :end][None], cache.v[layer, :, :end][None],
+        attn_mask=mask, scale=scale, enable_gqa=True)  # [1, Hq, N, d]
+    return out[0].transpose(0, 1).reshape(n, hq * d)
 
 
 @dataclass(slots=True)

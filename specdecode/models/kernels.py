@@ -74,6 +74,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rms_norm_fast(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rms_norm`` as one fused op, for draft models (no invariance needed)."""
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
 def rope_tables(head_dim: int, theta: float, max_pos: int) -> tuple[Tensor, Tensor]:
     """cos/sin tables [max_pos, head_dim] in the rotate-half layout used by HF checkpoints."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
