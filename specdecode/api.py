@@ -60,6 +60,7 @@ class LLM:
         lookahead_window: int = LOOKAHEAD_WINDOW,
         lookahead_ngram: int = LOOKAHEAD_NGRAM,
         lookahead_candidates: int = LOOKAHEAD_CANDIDATES,
+        quantize: str | None = None,
     ) -> None:
         """``adaptive``: the draft length follows each request's acceptance, up to
         ``num_speculative_tokens`` (False: that many every step). ``draft_confidence``: the draft
@@ -71,7 +72,10 @@ class LLM:
         builds of torch) int8 falls back to ``dtype`` with a warning.
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
         also drafts from each prompt and from earlier requests without one.
-        ``lookahead_*``: window, n-gram size and verified candidates of ``method="lookahead"``."""
+        ``lookahead_*``: window, n-gram size and verified candidates of ``method="lookahead"``.
+        ``quantize``: "int8" gives the *target* per-row int8 weights (float32 only): about half
+        the time per token, but a slightly different model; every method is then exact with
+        respect to that quantized target, which is what ``method="none"`` runs."""
         self.spec = SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max)
         if not 0.0 <= draft_confidence < 1.0:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
@@ -87,7 +91,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(path)
         # Checked before the weights load, so a wrong store fails in a second, not a minute.
         self.datastore = Datastore.open(datastore, tokenizer=self.tokenizer) if datastore else None
-        self.target = Decoder.from_dir(path, dtype)
+        self.quantize = _target_quantize(quantize, dtype)
+        self.target = Decoder.from_dir(path, dtype, quantize=self.quantize)
         self.engine = Engine(self.target, self.tokenizer, max_seq_len)
         self.draft_model: Decoder | None = None
         self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary
@@ -219,3 +224,14 @@ class LLM:
              k: int | None) -> GenerationOutput:
         k = k or self.spec.num_speculative_tokens
         return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k, self.adaptive)
+
+
+def _target_quantize(mode: str | None, dtype: str) -> str | None:
+    """The target's quantization: None for None/"none"; "int8" needs float32 weights to quantize."""
+    if mode in (None, "none"):
+        return None
+    if mode not in quant.QUANTIZE_MODES:
+        raise InvalidConfigError(f"quantize must be none or one of {', '.join(quant.QUANTIZE_MODES)}, got {mode!r}")
+    if dtype != "float32":
+        raise InvalidConfigError(f"quantize={mode!r} quantizes float32 weights; use dtype float32, not {dtype!r}")
+    return mode

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli_options import add_draft_options, add_method_options, method_options
+from specdecode.cli_options import add_draft_options, add_method_options, add_quantize_option, method_options
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DRAFT_MODEL_METHODS, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
@@ -62,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model still stops early by --draft-confidence); both: "
                         "each method twice, fixed-K rows named METHOD+fixed (default: %(default)s)")
     add_draft_options(p, fixed_k=False)
+    add_quantize_option(p)
     add_method_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
@@ -118,6 +119,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     if args.repeat < 1:
         raise InvalidConfigError(f"--repeat must be >= 1, got {args.repeat}")
+    quantize = getattr(args, "quantize", "none")
+    if args.endpoint and quantize != "none":
+        raise InvalidConfigError("--quantize applies to the local target; with --endpoint, start the server "
+                                 "with --quantize instead")
+    if args.peers and quantize != "none":
+        raise InvalidConfigError("--peers runs transformers on the float weights, so it cannot share an int8 "
+                                 "target's weights or outputs; drop --quantize to compare with it")
     if args.endpoint and args.peers:
         raise InvalidConfigError("--peers runs local models; it cannot be combined with --endpoint")
     if args.timeout <= 0:
@@ -171,7 +179,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
         raise InvalidConfigError(f"--methods includes draft_model but no --draft was given for {args.model!r}; "
                                  "pass --draft or drop draft_model")
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
-              draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize,
+              draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, quantize=args.quantize,
               **method_options(args, [r.method for r in plan.runs]))
     first_ids = _check_lengths(llm, plan)
     contestants = our_contestants(llm, plan.runs)
@@ -245,6 +253,7 @@ def _meta(args: argparse.Namespace, plan: Plan, *, model: str, draft: str | None
             "max_tokens": plan.params.max_tokens, "temperature": plan.params.temperature,
             "greedy": plan.params.greedy, "seed": args.seed, "repeat": args.repeat, "peers": args.peers,
             "k_schedule": getattr(args, "k_schedule", None), "draft_quantize": getattr(args, "draft_quantize", None),
+            "quantize": getattr(args, "quantize", None),
             "draft_confidence": getattr(args, "draft_confidence", None),
         },
     }
@@ -257,7 +266,8 @@ def _command(args: argparse.Namespace) -> str:
                ("--dataset", args.dataset), ("--limit", args.limit), ("--max-tokens", args.max_tokens),
                ("--temperature", args.temperature), ("--seed", args.seed), ("--peers", args.peers),
                ("--repeat", args.repeat), ("--dtype", args.dtype), ("--max-seq-len", args.max_seq_len),
-               ("--endpoint", args.endpoint), ("--draft-quantize", args.draft_quantize))
+               ("--endpoint", args.endpoint), ("--draft-quantize", args.draft_quantize),
+               ("--quantize", getattr(args, "quantize", None)))
     for flag, value in options:
         if value is not None:
             parts += [flag, str(value)]

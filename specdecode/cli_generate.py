@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
-                                    method_options)
+                                    add_quantize_option, method_options)
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS, SamplingParams
 from specdecode.errors import InvalidConfigError
 
@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
     add_draft_options(p)
+    add_quantize_option(p)
     add_method_options(p)
     p.add_argument("--compare", action="store_true",
                    help="also run --method none on the same input and report speedup and identity")
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json,
               adaptive=not args.fixed_k, draft_quantize=args.draft_quantize,
-              draft_confidence=args.draft_confidence, **method_options(args, [args.method]))
+              draft_confidence=args.draft_confidence, quantize=args.quantize,
+              **method_options(args, [args.method]))
     ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
     if not args.json and not args.compare:
         for event in llm.engine.stream(ids, params, llm.drafter(), args.k, llm.adaptive):

@@ -31,6 +31,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "defaults to the catalog's pair for the default target")
 
 
+def add_quantize_option(p: argparse.ArgumentParser) -> None:
+    """``--quantize`` for the target (generate, serve, bench)."""
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="target weights: int8 (per-row scales, float activations) takes about half "
+                        "the time per token but is a slightly different model; every method is then "
+                        "exact with respect to the int8 target (what --method none runs); float32 "
+                        "only (default: %(default)s)")
+
+
 def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
     """How the draft model drafts: ``--draft-quantize``, ``--draft-confidence`` and (unless the
     command has its own K schedule) ``--fixed-k``."""

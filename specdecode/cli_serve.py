@@ -10,7 +10,7 @@ import socket
 import sys
 
 from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
-                                    method_options)
+                                    add_quantize_option, method_options)
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS
 from specdecode.errors import InvalidConfigError
 
@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "browser; repeatable (default: none)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     add_draft_options(p)
+    add_quantize_option(p)
     add_method_options(p)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="server log level (default: %(default)s)")
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
-              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence,
+              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, quantize=args.quantize,
               **method_options(args, [args.method]))
     scheduler = Scheduler(llm, method=args.method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue)

@@ -155,3 +155,15 @@ def test_datastore_without_suffix_is_noted(tiny_pair, tmp_path):
                   "--prompt", "ab", "--max-tokens", "3")
     assert res.returncode == 0, res.stderr
     assert "--datastore is used by --method suffix only" in res.stderr
+
+
+def test_int8_target_from_the_cli(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    res = run_cli("generate", "--model", str(target), "--draft", str(draft), "--method", "draft_model",
+                  "--quantize", "int8", "--prompt", "abc abc abc", "--max-tokens", "12", "--compare", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["identical"] is True
+    peers = run_cli("bench", "--model", str(target), "--methods", "ngram", "--workload", "code", "--limit", "1",
+                    "--quantize", "int8", "--peers", "hf", "--out", str(tmp_path / "b"))
+    assert peers.returncode == 2 and "--quantize" in peers.stderr and "Traceback" not in peers.stderr
+

@@ -70,3 +70,31 @@ def test_attention_rows_bitwise_invariant(group, head_dim):
     alone = torch.cat([run(i, 1) for i in range(n_max)], dim=2)
     for n in (2, 5, 9, 17):
         assert torch.equal(run(0, n), alone[:, :, :n]), n
+
+
+@pytest.mark.parametrize("shape", [(64, 40), (77, 13), (1536, 1536), (24, 200)])
+def test_int8_rows_bitwise_invariant_and_exact(shape):
+    """The int8-target kernel: a row's bits never depend on its companions, and each output is
+    the float dot product with the widened weights, times the row's scale."""
+    from specdecode.models.quant import quantize_rows
+
+    gen = torch.Generator().manual_seed(5)
+    w = quantize_rows(torch.randn(shape, generator=gen))
+    x = torch.randn(12, shape[1], generator=gen)
+    full = kernels.linear_int8(x, w, invariant=True)
+    for n in range(1, 12):
+        for start in (0, 12 - n):
+            part = kernels.linear_int8(x[start : start + n], w, invariant=True)
+            assert torch.equal(part, full[start : start + n]), (n, start)
+    reference = (x.double() @ w.q.double().T) * w.scale.double()
+    torch.testing.assert_close(full.double(), reference, atol=1e-4, rtol=1e-5)
+
+
+def test_quantize_rows_round_trips_within_half_a_step():
+    from specdecode.models.quant import quantize_rows
+
+    w = torch.randn(300, 70, generator=torch.Generator().manual_seed(6))
+    q = quantize_rows(w, chunk_rows=128)  # several chunks
+    assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127
+    assert torch.all((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-7)
+    assert torch.equal(q.q.abs().amax(1), torch.full((300,), 127, dtype=torch.int8))

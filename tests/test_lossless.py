@@ -53,6 +53,36 @@ def test_greedy_identity(llm, method, k):
     assert drafted > 0, "the drafter never proposed anything: the test would prove nothing"
 
 
+@pytest.fixture(scope="module")
+def int8_llm(tiny_pair):
+    target, draft = tiny_pair
+    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False, quantize="int8")
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_greedy_identity_with_an_int8_target(int8_llm, llm, method):
+    """With ``quantize="int8"`` every method reproduces the int8 target's own plain decoding,
+    which is a slightly different model from the float one."""
+    differs = 0
+    for seed in SEEDS:
+        prompt = _prompt(seed)
+        plain = int8_llm.generate(prompt, _greedy(), method="none")[0]
+        spec = int8_llm.generate(prompt, _greedy(), method=method, num_speculative_tokens=4)[0]
+        assert spec.token_ids == plain.token_ids, (method, seed)
+        differs += plain.token_ids != llm.generate(prompt, _greedy(), method="none")[0].token_ids
+    assert int8_llm.target.layers[0].qkv.q.dtype == torch.int8
+    assert differs > 0, "the int8 target decoded exactly like the float one: was it quantized?"
+
+
+def test_int8_target_needs_float32(tiny_pair):
+    from specdecode.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="float32"):
+        LLM(model=str(tiny_pair[0]), dtype="bfloat16", quantize="int8", progress=False)
+    with pytest.raises(InvalidConfigError, match="quantize"):
+        LLM(model=str(tiny_pair[0]), quantize="int4", progress=False)
+
+
 def test_some_drafts_are_rejected_and_some_accepted(llm):
     stats = [llm.generate(_prompt(s), _greedy(), method="draft_model", num_speculative_tokens=4)[0].stats
              for s in SEEDS]

@@ -95,7 +95,10 @@ def _header(summary: dict[str, Any]) -> list[str]:
     mach = summary.get("machine", {})
     settings = summary.get("settings", {})
     draft = f", draft {summary['draft']}" if summary.get("draft") else ""
-    lines = [f"# specdecode bench: {summary.get('model')}{draft} ({summary.get('dtype')})", "",
+    weights = summary.get("dtype")
+    if settings.get("quantize") not in (None, "none"):  # a different model: say so in the title
+        weights = f"{settings['quantize']} target weights, {weights} activations"
+    lines = [f"# specdecode bench: {summary.get('model')}{draft} ({weights})", "",
              f"{summary.get('created', '')} · {mach.get('cpu', '?')} · {mach.get('cpu_count', '?')} cores, "
              f"{mach.get('torch_threads', '?')} torch threads · {mach.get('memory_gib', '?')} GiB · "
              f"torch {mach.get('torch', '?')}"]

@@ -53,7 +53,8 @@ class Decoder:
     ) -> None:
         """``packed``: compute-layout tensors as made by ``packed.pack``; ``native``: use the
         compiled kernel (None = when available), False forces the portable torch path;
-        ``quantize="int8"``: int8 linear weights (for draft models; see ``quant.py``)."""
+        ``quantize="int8"``: int8 linear weights, per-row int8 with float activations for a
+        batch-invariant model (a target), fbgemm's dynamic int8 for a draft (see ``quant.py``)."""
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
@@ -88,8 +89,17 @@ class Decoder:
         return cls(config, packed, torch_dtype, batch_invariant, native, quantize)
 
     def _quantize(self, mode: str) -> None:
+        """int8 weights. A batch-invariant model (a target) gets per-row int8 weights with float
+        activations, whose rows stay invariant; a draft gets fbgemm's faster dynamic int8."""
         if mode not in quant.QUANTIZE_MODES or self.dtype != torch.float32:
             raise InvalidConfigError(f"quantize must be one of {quant.QUANTIZE_MODES} with float32, got {mode!r}")
+        if self.batch_invariant:
+            self.lm_head = quant.quantize_rows(self.lm_head)
+            for w in self.layers:
+                w.qkv, w.o = quant.quantize_rows(w.qkv), quant.quantize_rows(w.o)
+                w.gate_up, w.down = quant.quantize_rows(w.gate_up), quant.quantize_rows(w.down)
+            self._linear = kernels.linear_int8
+            return
         self.lm_head = quant.pack_int8(self.lm_head)
         for w in self.layers:
             w.qkv, w.o = quant.pack_int8(w.qkv), quant.pack_int8(w.o)
@@ -181,8 +191,8 @@ class Decoder:
         invariant kernels: the native kernel takes any row count in one pass over the weights;
         other paths get chunks no wider than one verify step, the range their invariance was
         measured over."""
-        if self._linear is kernels.linear_native:
-            return kernels.linear_native(x, w, invariant=True)
+        if self._linear in (kernels.linear_native, kernels.linear_int8):
+            return self._linear(x, w, invariant=True)
         step_rows = MAX_SPECULATIVE_TOKENS + 1
         if x.shape[0] <= step_rows:
             return self._linear(x, w)

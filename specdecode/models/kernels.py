@@ -17,8 +17,13 @@ real ones.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from specdecode.models.quant import Int8Rows
 
 KEY_BLOCK = 128  # keys per attention block; below any BLAS K-blocking, so one block = one pass
 MIN_GEMM_ROWS = 8  # fewer rows than this take BLAS small-matrix paths; we pad up to it
@@ -65,6 +70,21 @@ def linear_native(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
     if x.shape[0] > PREFILL_ROWS and not invariant:
         return torch.nn.functional.linear(x, w)
     return native.load().linear_rows(x.contiguous(), w)
+
+
+def linear_int8(x: Tensor, w: "Int8Rows", invariant: bool = False) -> Tensor:
+    """``x @ w.dequantize().T`` for an int8 target: the native kernel widens the weights on the
+    fly (invariant for every row count); a prefill dequantizes the matrix and takes BLAS, like
+    ``linear_native``. Without the native kernel, the portable invariant path on the dequantized
+    weights (exact, slow)."""
+    from specdecode.models import native
+
+    if x.shape[0] > PREFILL_ROWS and not invariant:
+        return torch.nn.functional.linear(x, w.dequantize())
+    kernel = native.load()
+    if kernel is None:
+        return linear_portable(x, w.dequantize())
+    return kernel.linear_rows_int8(x.contiguous(), w.q, w.scale)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
