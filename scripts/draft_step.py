@@ -1,0 +1,52 @@
+"""Time one forward of the draft model on its fast path (one SDPA call and a fused rms_norm per
+layer) against the batch-invariant path the target needs, for a few row counts.
+
+The draft's numerics never affect exactness, so it may take whichever path is faster; this is the
+measurement behind that choice (docs/PERFORMANCE.md). Both paths run in one process, alternating.
+
+    python scripts/draft_step.py --rows 1,2,5
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specdecode.models.catalog import resolve_model
+from specdecode.models.decoder import Decoder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--quantize", default="int8", choices=("int8", "none"))
+    p.add_argument("--context", type=int, default=300, help="tokens in the cache before timing")
+    p.add_argument("--rows", default="1,2,5")
+    p.add_argument("--repeat", type=int, default=15)
+    args = p.parse_args()
+    model = Decoder.from_dir(resolve_model(args.draft), batch_invariant=False,
+                             quantize=None if args.quantize == "none" else args.quantize)
+    cache = model.new_cache(args.context + 64)
+    model.forward(torch.randint(0, 1000, (args.context,)), cache, last_only=True)
+
+    def step(rows: int, fast: bool) -> float:
+        model.batch_invariant = not fast  # selects the attention and norm path, nothing else
+        start = time.perf_counter()
+        model.forward(torch.arange(rows) + 5, cache)
+        elapsed = time.perf_counter() - start
+        cache.trim(rows)
+        return elapsed
+
+    for rows in (int(r) for r in args.rows.split(",")):
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(args.repeat):
+            for fast in (True, False):
+                times[fast].append(step(rows, fast))
+        fast_ms, exact_ms = (sorted(times[f])[args.repeat // 2] * 1e3 for f in (True, False))
+        print(f"{rows} row(s): fast path {fast_ms:.1f} ms, invariant path {exact_ms:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
