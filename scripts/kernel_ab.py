@@ -37,12 +37,17 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--rows", default="1,2,3,5,9", help="comma-separated row counts (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=5, help="timed passes per version and row count")
+    p.add_argument("--int8", action="store_true",
+                   help="time linear_rows_int8 on int8 copies of the weights (what --quantize int8 runs)")
     p.add_argument("--build-dir", type=Path, default=Path("/tmp/specdecode-kernel-ab"))
     args = p.parse_args()
     kernels = {str(s): build(s, args.build_dir) for s in args.sources}
-    model = Decoder.from_dir(resolve_model(args.model))
+    model = Decoder.from_dir(resolve_model(args.model), quantize="int8" if args.int8 else None)
     weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     weights.append(model.lm_head)
+    if args.int8:
+        for kernel in kernels.values():
+            kernel.linear_rows = (lambda k: lambda x, w: k.linear_rows_int8(x, w.q, w.scale))(kernel)
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         first = [k.linear_rows(xs[weights[2].shape[1]], weights[2]) for k in kernels.values()]
