@@ -58,6 +58,18 @@ def test_concurrent_requests_equal_solo_greedy(llm, method):
     assert scheduler.running == 0 and scheduler.waiting == 0
 
 
+@pytest.mark.parametrize("method", ["none", "draft_model"])
+def test_int8_target_batched_equals_solo(tiny_pair, method):
+    """The int8 target's batched forward takes the invariant int8 kernel for every row count."""
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=256, progress=False, quantize="int8")
+    prompts = _prompts(llm, 5)
+    params = [SamplingParams(max_tokens=10 + 4 * i, ignore_eos=True) for i in range(5)]
+    solo = [llm.engine.generate(p, q, llm.drafter(method), 4) for p, q in zip(prompts, params)]
+    results = _run_concurrently(Scheduler(llm, method=method, max_concurrency=5, max_queue=8), prompts, params)
+    assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
+
+
 def test_queue_full_raises_and_errors_reach_the_request(llm):
     scheduler = Scheduler(llm, method="ngram", max_concurrency=1, max_queue=0)
     prompt = _prompts(llm, 1)[0]
