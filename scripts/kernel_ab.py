@@ -20,15 +20,16 @@ import torch
 from torch.utils import cpp_extension
 
 from specdecode.models.catalog import resolve_model
+from specdecode.models import native
 from specdecode.models.decoder import Decoder
 
 
-def build(source: Path, root: Path):
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+def build(source: Path, root: Path, flags: list[str]):
+    digest = hashlib.sha256(source.read_bytes() + str(flags).encode()).hexdigest()[:12]
     folder = root / digest
     folder.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(name=f"kernel_ab_{digest}", sources=[str(source)], build_directory=str(folder),
-                              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                              extra_cflags=flags, extra_ldflags=["-fopenmp"])
 
 
 def main() -> None:
@@ -39,9 +40,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed passes per version and row count")
     p.add_argument("--int8", action="store_true",
                    help="time linear_rows_int8 on int8 copies of the weights (what --quantize int8 runs)")
+    p.add_argument("--avx2", action="store_true",
+                   help="build with AVX2/FMA only, even on a CPU with AVX-512 (the default follows the CPU)")
     p.add_argument("--build-dir", type=Path, default=Path("/tmp/specdecode-kernel-ab"))
     args = p.parse_args()
-    kernels = {str(s): build(s, args.build_dir) for s in args.sources}
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"] if args.avx2 else native.compile_flags()
+    kernels = {str(s): build(s, args.build_dir, flags) for s in args.sources}
     model = Decoder.from_dir(resolve_model(args.model), quantize="int8" if args.int8 else None)
     weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     weights.append(model.lm_head)

@@ -3,7 +3,8 @@
 ``csrc/linear_rows.cpp`` computes ``x @ w.T`` so that a row's bits never depend on how many rows
 share the call, at GEMV speed for one row (see the file's header). It is built with the system
 C++ compiler through ``torch.utils.cpp_extension`` into ``$SPECDECODE_HOME/kernels`` (or
-``$SPECDECODE_KERNELS``) the first time a model loads (about 30 s), then loaded from there.
+``$SPECDECODE_KERNELS``) the first time a model loads (about 30 s), then loaded from there. It
+is built for AVX-512 where the CPU has it (``SPECDECODE_AVX512=0`` forces the AVX2 build).
 Where it cannot be built or run (no compiler, no AVX2), ``load()`` returns None once with a
 warning and the decoder uses its portable torch path, which is exact too but slower.
 """
@@ -22,12 +23,28 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "linear_rows.cpp"
 
 
-def cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        pass
+    return set()
+
+
+def cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+def compile_flags() -> list[str]:
+    """Compiler flags for this CPU: AVX-512 (16-lane accumulators, twice the arithmetic per
+    instruction, which multi-row verify steps need) when it has it, else AVX2/FMA. The lane count
+    changes the kernel's bits between builds, never between the calls of one build."""
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    if os.environ.get("SPECDECODE_AVX512", "1") != "0" and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags():
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    return flags
 
 
 @functools.cache
@@ -41,7 +58,7 @@ def load() -> ModuleType | None:
 
     from specdecode.models.catalog import specdecode_home
 
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    flags = compile_flags()
     digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + str(flags).encode()).hexdigest()[:12]
     root = os.environ.get("SPECDECODE_KERNELS") or specdecode_home() / "kernels"
     build = Path(root) / digest
