@@ -42,14 +42,21 @@ def main() -> None:
                    help="time linear_rows_int8 on int8 copies of the weights (what --quantize int8 runs)")
     p.add_argument("--avx2", action="store_true",
                    help="build with AVX2/FMA only, even on a CPU with AVX-512 (the default follows the CPU)")
+    p.add_argument("--shape", default=None, metavar="OUTxIN",
+                   help="time one random float32 matrix of this shape instead of the model's weights, "
+                        "and print GFLOP/s too (e.g. 8192x1536: whether rows are bound by memory or compute)")
     p.add_argument("--build-dir", type=Path, default=Path("/tmp/specdecode-kernel-ab"))
     args = p.parse_args()
     flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"] if args.avx2 else native.compile_flags()
     kernels = {str(s): build(s, args.build_dir, flags) for s in args.sources}
-    model = Decoder.from_dir(resolve_model(args.model), quantize="int8" if args.int8 else None)
-    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    weights.append(model.lm_head)
-    if args.int8:
+    if args.shape:
+        out, inp = (int(v) for v in args.shape.lower().split("x"))
+        weights = [torch.randn(out, inp) for _ in range(3)]
+    else:
+        model = Decoder.from_dir(resolve_model(args.model), quantize="int8" if args.int8 else None)
+        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        weights.append(model.lm_head)
+    if args.int8 and not args.shape:
         for kernel in kernels.values():
             kernel.linear_rows = (lambda k: lambda x, w: k.linear_rows_int8(x, w.q, w.scale))(kernel)
     for rows in (int(r) for r in args.rows.split(",")):
@@ -63,8 +70,15 @@ def main() -> None:
                 for w in weights:
                     kernel.linear_rows(xs[w.shape[1]], w)
                 times[name].append(time.perf_counter() - start)
-        medians = ", ".join(f"{name}: {sorted(t)[len(t) // 2] * 1e3:.1f} ms" for name, t in times.items())
+        flops = 2 * rows * sum(w.numel() for w in weights)
+        medians = ", ".join(f"{name}: {_median(t) * 1e3:.2f} ms" + (f" ({flops / _median(t) / 1e9:.0f} GFLOP/s)"
+                                                                   if args.shape else "")
+                            for name, t in times.items())
         print(f"{rows} row(s): {medians}; bit-identical: {same}")
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 if __name__ == "__main__":

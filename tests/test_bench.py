@@ -17,6 +17,7 @@ import pytest
 from specdecode.bench.endpoint import EndpointError, endpoint_url, sse_data, stream_completion
 from specdecode.bench.runner import Contestant, first_difference, our_contestants, plan_runs, run_benchmark
 from specdecode.bench.specbench import load_specbench
+from specdecode.bench.report import render_markdown
 from specdecode.bench.summary import summarize
 from specdecode.bench.workloads import (
     WORKLOAD_NAMES, Prompt, limit_per_category, load_workloads, parse_workload_names,
@@ -124,6 +125,7 @@ def test_bench_end_to_end_shapes(tiny_pair, tmp_path, capsys):
     assert 1.0 <= dm["mean_acceptance_length"] <= 4.0 and 0.0 <= dm["acceptance_rate"] <= 1.0
     assert len(dm["acceptance_by_position"]) == 3
     assert dm["limit_tokens_per_s"] > 0 and dm["efficiency"] > 0
+    assert 1.0 <= dm["mean_accepted_tokens"] <= dm["mean_acceptance_length"]
     assert summary["methods"]["none"]["speedup_vs_none"] == pytest.approx(1.0)
     assert summary["peers"] == {}
     assert set(summary["per_category"]) == {"chat", "math"}
@@ -274,6 +276,22 @@ def test_speedup_is_the_geometric_mean_of_per_prompt_ratios():
     assert s["methods"]["ngram"]["mean_acceptance_length"] == pytest.approx(2.0)  # 1 + 8 / 8
     assert s["advice"]["best_method"] == "ngram" and s["advice"]["best_k"] == 2
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_limit_counts_every_target_forward():
+    """tau leaves out steps that drafted nothing; the limit may not, or it would be unreachable."""
+    spec = dict(base_method="ngram", k=8, drafts=2, draft_tokens=8, accepted_tokens=6,
+                accepted_per_position=[2, 2, 2, 0], drafted_per_position=[2, 2, 2, 2])
+    rows = [_row("a", "none", 11, 1.1, ttft_s=0.1, target_steps=10),
+            _row("a", "ngram", 12, 1.1, ttft_s=0.1, target_steps=5, **spec)]  # 2 x 4 + 3 x 1 tokens
+    s = summarize(rows, {}, target_step_s=0.1)
+    none, ngram = s["methods"]["none"], s["methods"]["ngram"]
+    assert none["mean_accepted_tokens"] == pytest.approx(1.0) and none["efficiency"] == pytest.approx(1.0)
+    assert ngram["mean_acceptance_length"] == pytest.approx(4.0)  # vLLM's tau: drafted steps only
+    assert ngram["mean_accepted_tokens"] == pytest.approx(11 / 5)
+    assert ngram["limit_tokens_per_s"] == pytest.approx(22.0)
+    assert ngram["efficiency"] == pytest.approx(0.5)  # 5 forwards x 0.1 s in 1.0 s of decoding
+    assert "tokens/forward" in render_markdown(s)
 
 
 # --- the endpoint client against a loopback SSE server ------------------------------------------

@@ -62,13 +62,13 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> str:
     """The summary as tables a person reads: methods, peers, categories, advice, failures."""
     lines = _header(summary)
-    lines += ["", "| method | K | tok/s | vs none | vs HF | tau | acceptance | TTFT s | TPOT ms | identical "
-              "| limit tok/s | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| method | K | tok/s | vs none | vs HF | tau | tokens/forward | acceptance | TTFT s | TPOT ms "
+              "| identical | limit tok/s | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():
         lines.append(
             f"| {name} | {_fmt(m.get('k'), 'd')} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup_vs_none'], '.2f', 'x')} "
             f"| {_fmt(m.get('speedup_vs_hf'), '.2f', 'x')} | {_fmt(m['mean_acceptance_length'])} "
-            f"| {_fmt(m['acceptance_rate'], '.0%')} | {_fmt(m['ttft_s'])} | {_fmt(_ms(m['tpot_s']), '.0f')} "
+            f"| {_fmt(m.get('mean_accepted_tokens'))} | {_fmt(m['acceptance_rate'], '.0%')} | {_fmt(m['ttft_s'])} | {_fmt(_ms(m['tpot_s']), '.0f')} "
             f"| {_fmt(m['identical_to_none'])} | {_fmt(m.get('limit_tokens_per_s'))} | {_fmt(m.get('efficiency'), '.0%')} |"
         )
     if summary.get("peers"):

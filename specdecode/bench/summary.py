@@ -12,9 +12,17 @@ How figures are pooled (stated here because a benchmark is only as honest as its
 * ``mean_acceptance_length`` (tau) = 1 + accepted / drafts and ``acceptance_rate`` = accepted /
   drafted, pooled over all verify steps (vLLM's definitions); ``acceptance_by_position[i]`` =
   drafts whose token i was accepted / drafts that had a token i.
-* ``limit_tokens_per_s`` = tau / (one single-token target forward, timed in the same run): what
-  the method would reach if drafting and verifying K extra tokens were free. ``efficiency`` =
-  ``decode_tokens_per_s`` / limit: how much of that ideal the method realises.
+* ``mean_accepted_tokens`` = tokens emitted per target forward after prefill, over **every**
+  forward, including those that carried no draft (an n-gram drafter with nothing to copy runs a
+  plain one-token step). This is Spec-Bench's "mean accepted tokens" (its prompt-lookup baseline
+  counts such steps as 1); tau above leaves them out, so the two differ only for drafters that
+  sometimes propose nothing.
+* ``limit_tokens_per_s`` = mean_accepted_tokens / (one single-token target forward, timed in the
+  same run): what the method's forwards would yield if each cost one plain step, i.e. if
+  drafting, verifying K extra rows and the engine were free. ``efficiency`` =
+  ``decode_tokens_per_s`` / limit = (forwards x plain step time) / decode time: how much of the
+  decode time those costs leave. Counting only drafted steps (tau) would put steps that drafted
+  nothing above the limit they cannot exceed, so the limit would not be one.
 """
 
 from __future__ import annotations
@@ -87,8 +95,10 @@ def _aggregate(rows: Sequence[Row], target_step_s: float | None) -> dict[str, An
     }
     if first["kind"] == "ours":
         entry.update(_acceptance(rows) if speculative else {"mean_acceptance_length": 1.0})
-        tau = entry["mean_acceptance_length"]
-        limit = tau / target_step_s if target_step_s else None
+        steps = sum(r.get("target_steps") or 0 for r in timed)
+        mat = decode_tokens / steps if steps else None
+        entry["mean_accepted_tokens"] = mat
+        limit = mat / target_step_s if target_step_s and mat else None
         entry["limit_tokens_per_s"] = limit
         entry["efficiency"] = entry["decode_tokens_per_s"] / limit if limit and entry["decode_tokens_per_s"] else None
         entry["time_split"] = _time_split(rows, total)
