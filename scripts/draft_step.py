@@ -21,7 +21,7 @@ from specdecode.models.decoder import Decoder
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--quantize", default="int8", choices=("int8", "none"))
+    p.add_argument("--quantize", default="int8", choices=("int8", "int4", "none"))
     p.add_argument("--context", type=int, default=300, help="tokens in the cache before timing")
     p.add_argument("--rows", default="1,2,5")
     p.add_argument("--repeat", type=int, default=15)

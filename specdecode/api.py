@@ -68,8 +68,9 @@ class LLM:
         probabilities) falls below this; 0 never stops early, so with ``adaptive=False`` every
         draft has exactly ``num_speculative_tokens`` tokens.
         ``draft_quantize``: "int8" (the default) gives the draft int8 weights, cheaper drafts with
-        exactness unaffected; None or "none" keeps it in ``dtype``. Without fbgemm (non-x86
-        builds of torch) int8 falls back to ``dtype`` with a warning.
+        exactness unaffected; "int4" gives its decode steps 4-bit weights (half the bytes again,
+        on CPUs with AVX-512 VNNI, else int8 with a warning); None or "none" keeps it in
+        ``dtype``. Without fbgemm (non-x86 builds of torch) the draft stays in ``dtype``, warned.
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
         also drafts from each prompt and from earlier requests without one.
         ``lookahead_*``: window, n-gram size and verified candidates of ``method="lookahead"``.

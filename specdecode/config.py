@@ -23,7 +23,7 @@ MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
 DEFAULT_DRAFT_CONFIDENCE = 0.5
 # int8 drafts cost a quarter of the fp32 bytes per token and left acceptance unchanged on the
 # default pair (docs/PERFORMANCE.md); "none" keeps the draft in the model dtype.
-DRAFT_QUANTIZE_CHOICES = ("int8", "none")
+DRAFT_QUANTIZE_CHOICES = ("int8", "int4", "none")
 DEFAULT_DRAFT_QUANTIZE = "int8"
 DTYPES = ("float32", "bfloat16")
 # Below this a temperature is greedy decoding in all but name, and dividing float32 logits by it

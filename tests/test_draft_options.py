@@ -40,10 +40,10 @@ def tiny_llms(tiny_pair):
         return LLM(model=str(target), draft=str(draft), max_seq_len=256, progress=False, **options)
 
     return {"default": make(), "fixed": make(adaptive=False, draft_confidence=0.0), "confident": make(draft_confidence=0.6),
-            "int8": make(draft_quantize="int8")}
+            "int8": make(draft_quantize="int8"), "int4": make(draft_quantize="int4")}
 
 
-@pytest.mark.parametrize("variant", ["fixed", "confident", "int8"])
+@pytest.mark.parametrize("variant", ["fixed", "confident", "int8", "int4"])
 def test_variants_keep_greedy_identity(tiny_llms, variant):
     llm, ref = tiny_llms[variant], tiny_llms["default"]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -87,4 +87,4 @@ def test_bad_draft_options(tiny_pair):
     with pytest.raises(InvalidConfigError):
         LLM(model=str(target), draft=str(draft), draft_confidence=1.5, progress=False)
     with pytest.raises(InvalidConfigError):
-        LLM(model=str(target), draft=str(draft), draft_quantize="int4", progress=False)
+        LLM(model=str(target), draft=str(draft), draft_quantize="int3", progress=False)

@@ -128,3 +128,32 @@ def test_quantize_rows_round_trips_within_half_a_step():
     assert q.q.dtype == torch.int8 and q.q.abs().max() <= 127
     assert torch.all((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-7)
     assert torch.equal(q.q.abs().amax(1), torch.full((300,), 127, dtype=torch.int8))
+
+
+@pytest.mark.skipif(native.load_int4() is None, reason="needs AVX-512 VNNI (the draft then stays int8)")
+@pytest.mark.parametrize("shape", [(40, 64), (131, 896), (9, 4864)], ids=str)
+def test_int4_draft_kernel_matches_its_dequantized_weights(shape):
+    """The int4 draft kernel computes the dequantized weights' product up to its per-row int8
+    activations (about 1% error), for every row count it serves, and prefill rows take int8."""
+    from specdecode.models import quant
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(shape, generator=gen) * 0.05
+    packed = quant.pack_int4(w)
+    deq = packed.dequantize()
+    assert (deq - w).abs().max() <= packed.scales.max() / 2 + 1e-6  # round to nearest step
+    for n in (1, 2, 3, quant.INT4_MAX_ROWS):
+        x = torch.randn(n, shape[1], generator=gen)
+        got, want = quant.linear_draft(x, packed), x @ deq.T
+        assert (got - want).norm() <= 0.02 * want.norm(), n
+    x = torch.randn(quant.INT4_MAX_ROWS + 1, shape[1], generator=gen)
+    assert torch.equal(quant.linear_draft(x, packed), quant.linear_int8(x, packed.int8))
+
+
+def test_int4_pack_falls_back_to_int8_off_the_group_size():
+    from specdecode.models import quant
+
+    w = torch.randn(16, 40)
+    assert not isinstance(quant.pack_int4(w), quant.Int4Groups)
+    torch.testing.assert_close(quant.linear_draft(torch.ones(1, 40), quant.pack_int4(w)), torch.ones(1, 40) @ w.T,
+                               atol=0.1, rtol=0.05)

@@ -89,10 +89,12 @@ class Decoder:
         return cls(config, packed, torch_dtype, batch_invariant, native, quantize)
 
     def _quantize(self, mode: str) -> None:
-        """int8 weights. A batch-invariant model (a target) gets per-row int8 weights with float
-        activations, whose rows stay invariant; a draft gets fbgemm's faster dynamic int8."""
-        if mode not in quant.QUANTIZE_MODES or self.dtype != torch.float32:
-            raise InvalidConfigError(f"quantize must be one of {quant.QUANTIZE_MODES} with float32, got {mode!r}")
+        """int8 (or, for a draft, int4) weights. A batch-invariant model (a target) gets per-row
+        int8 weights with float activations, whose rows stay invariant; a draft gets fbgemm's
+        faster dynamic int8, or int4 weights for its decode rows (``quant.Int4Groups``)."""
+        modes = quant.QUANTIZE_MODES if self.batch_invariant else quant.DRAFT_MODES
+        if mode not in modes or self.dtype != torch.float32:
+            raise InvalidConfigError(f"quantize must be one of {modes} with float32, got {mode!r}")
         if self.batch_invariant:
             self.lm_head = quant.quantize_rows(self.lm_head)
             for w in self.layers:
@@ -100,11 +102,12 @@ class Decoder:
                 w.gate_up, w.down = quant.quantize_rows(w.gate_up), quant.quantize_rows(w.down)
             self._linear = kernels.linear_int8
             return
-        self.lm_head = quant.pack_int8(self.lm_head)
+        pack = quant.pack_int4 if mode == "int4" else quant.pack_int8
+        self.lm_head = pack(self.lm_head)
         for w in self.layers:
-            w.qkv, w.o = quant.pack_int8(w.qkv), quant.pack_int8(w.o)
-            w.gate_up, w.down = quant.pack_int8(w.gate_up), quant.pack_int8(w.down)
-        self._linear = quant.linear_int8
+            w.qkv, w.o = pack(w.qkv), pack(w.o)
+            w.gate_up, w.down = pack(w.gate_up), pack(w.down)
+        self._linear = quant.linear_draft
 
     def new_cache(self, capacity: int) -> KVCache:
         """A cache for ``capacity`` tokens, rounded up to whole attention key blocks."""

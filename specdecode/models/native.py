@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_rows.cpp"
+INT4_SOURCE = Path(__file__).parent / "csrc" / "linear_int4.cpp"
 
 
 def _cpu_flags() -> set[str]:
@@ -54,26 +55,50 @@ def load() -> ModuleType | None:
         return None
     if not cpu_has_avx2_fma():
         return _unavailable("this CPU lacks AVX2/FMA")
+    return _build(SOURCE, "linear_rows", compile_flags(), _unavailable)
+
+
+INT4_FLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+              "-fopenmp"]
+
+
+@functools.cache
+def load_int4() -> ModuleType | None:
+    """The int4 draft kernel (``csrc/linear_int4.cpp``), or None where the CPU lacks AVX-512 VNNI
+    or it cannot be built; callers then keep the draft in int8 (reason printed once)."""
+    if os.environ.get("SPECDECODE_NATIVE", "1") == "0":
+        return None
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= _cpu_flags():
+        return _int4_unavailable("this CPU lacks AVX-512 VNNI")
+    return _build(INT4_SOURCE, "linear_int4", INT4_FLAGS, _int4_unavailable)
+
+
+def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType | None:
+    """Compile ``source`` once per (source, torch, flags) into the kernels folder and load it."""
     from torch.utils import cpp_extension
 
     from specdecode.models.catalog import specdecode_home
 
-    flags = compile_flags()
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + str(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + str(flags).encode()).hexdigest()[:12]
     root = os.environ.get("SPECDECODE_KERNELS") or specdecode_home() / "kernels"
     build = Path(root) / digest
     build.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name=f"specdecode_linear_rows_{digest}",
-            sources=[str(SOURCE)],
+            name=f"specdecode_{name}_{digest}",
+            sources=[str(source)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the portable path
-        return _unavailable(f"building it failed ({str(exc).splitlines()[0][:200]})")
+        return unavailable(f"building it failed ({str(exc).splitlines()[0][:200]})")
+
+
+def _int4_unavailable(reason: str) -> None:
+    print(f"specdecode: int4 draft kernel unavailable, {reason}; the draft stays int8", file=sys.stderr)
+    return None
 
 
 def _unavailable(reason: str) -> None:

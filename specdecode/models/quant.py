@@ -1,5 +1,6 @@
-"""Weight int8 quantization: fbgemm's dynamic int8 linear for draft models, and per-row int8
-weights with float activations (``Int8Rows``) for a target the user asks to quantize.
+"""Weight quantization: fbgemm's dynamic int8 linear for draft models, int4 draft weights for
+their decode rows (``Int4Groups``), and per-row int8 weights with float activations
+(``Int8Rows``) for a target the user asks to quantize.
 
 A draft's numerics never affect exactness (the target verifies every token), so the cheapest
 draft that still agrees with the target wins. On this CPU fbgemm's int8 linear (int8 weights,
@@ -17,17 +18,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-QUANTIZE_MODES = ("int8",)
+QUANTIZE_MODES = ("int8",)  # for a target
+DRAFT_MODES = ("int8", "int4")
+INT4_GROUP = 64  # inputs per int4 scale: the kernel's one VPDPBUSD per group and output
+INT4_MAX_ROWS = 8  # calls with more rows (a prompt's prefill) take the int8 copy
 
 
 def usable_mode(mode: str | None, dtype: str) -> str | None:
-    """The quantization to apply for a requested ``mode``: None for "none"/None, for a non-float32
-    dtype (int8 packs from float32 only), or when this torch build has no fbgemm (warned)."""
+    """The draft quantization to apply for a requested ``mode``: None for "none"/None, for a
+    non-float32 dtype (packing starts from float32), or when this torch build has no fbgemm
+    (warned); "int8" for "int4" where the int4 kernel cannot run (warned by its loader)."""
     if mode in (None, "none") or dtype != "float32":
         return None
-    if mode in QUANTIZE_MODES and "fbgemm" not in torch.backends.quantized.supported_engines:
+    if mode in DRAFT_MODES and "fbgemm" not in torch.backends.quantized.supported_engines:
         print("specdecode: this torch build has no fbgemm; the draft stays in float32", file=sys.stderr)
         return None
+    if mode == "int4":
+        from specdecode.models import native
+
+        if native.load_int4() is None:
+            return "int8"
     return mode
 
 
@@ -45,6 +55,61 @@ def pack_int8(w: Tensor) -> Any:
 def linear_int8(x: Tensor, packed: Any) -> Tensor:
     """``x @ w.T`` through the prepacked int8 weight; x: [N, in] float32."""
     return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, True)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Groups:
+    """A draft weight [out, in] for the int4 kernel (``csrc/linear_int4.cpp``): signed 4-bit
+    values, one float32 scale per group of ``INT4_GROUP`` inputs, two values per byte, plus
+    fbgemm's int8 copy for calls with many rows. Decode rows read 4.5 bits per weight instead of
+    8; a prefill keeps int8's fast GEMM. The kernel quantizes activations per row to int8."""
+
+    packed: Tensor  # [out, in / 2] uint8, see the kernel's layout note
+    scales: Tensor  # [out, in / INT4_GROUP] float32
+    offset: Tensor  # [out] float32: 128 * sum over groups of scale * sum of the group's values
+    int8: Any  # fbgemm prepacked int8 of the same weight
+
+    def dequantize(self) -> Tensor:
+        out, half = self.packed.shape
+        u = self.packed.view(out, -1, INT4_GROUP // 2)
+        q = torch.cat([(u & 0x0F), (u >> 4)], dim=-1).float() - 8.0  # [out, groups, INT4_GROUP]
+        return (q * self.scales[..., None]).reshape(out, 2 * half)
+
+
+def pack_int4(w: Tensor, chunk_rows: int = 8192) -> Any:
+    """[out, in] float weight -> ``Int4Groups`` (symmetric, scale = max |w| / 7 per group), or the
+    plain int8 pack when ``in`` is not a whole number of groups. In row chunks, so a large
+    matrix is never held twice in float."""
+    w = w.float()
+    out, inp = w.shape
+    if inp % INT4_GROUP:
+        return pack_int8(w)
+    groups = inp // INT4_GROUP
+    packed = torch.empty(out, inp // 2, dtype=torch.uint8)
+    scales = torch.empty(out, groups, dtype=torch.float32)
+    offset = torch.empty(out, dtype=torch.float32)
+    for start in range(0, out, chunk_rows):
+        g = w[start : start + chunk_rows].reshape(-1, groups, INT4_GROUP)
+        s = g.abs().amax(dim=-1).clamp_min(1e-12) / 7.0
+        q = torch.round(g / s[..., None]).clamp_(-8, 7)
+        offset[start : start + chunk_rows] = 128.0 * (s * q.sum(dim=-1)).sum(dim=-1)
+        u = (q + 8).to(torch.uint8)
+        half = INT4_GROUP // 2
+        packed[start : start + chunk_rows] = (u[..., :half] | (u[..., half:] << 4)).reshape(-1, inp // 2)
+        scales[start : start + chunk_rows] = s
+    return Int4Groups(packed, scales, offset, pack_int8(w))
+
+
+def linear_draft(x: Tensor, w: Any) -> Tensor:
+    """A quantized draft's ``x @ w.T``: the int4 kernel for a few rows of an ``Int4Groups``
+    weight, fbgemm's int8 otherwise."""
+    if not isinstance(w, Int4Groups):
+        return linear_int8(x, w)
+    if x.shape[0] > INT4_MAX_ROWS:
+        return linear_int8(x, w.int8)
+    from specdecode.models import native
+
+    return native.load_int4().linear_int4(x.contiguous(), w.packed, w.scales, w.offset)
 
 
 @dataclass(frozen=True, slots=True)
