@@ -130,11 +130,28 @@ def test_quantize_rows_round_trips_within_half_a_step():
     assert torch.equal(q.q.abs().amax(1), torch.full((300,), 127, dtype=torch.int8))
 
 
-@pytest.mark.skipif(native.load_int4() is None, reason="needs AVX-512 VNNI (the draft then stays int8)")
+def test_int4_kernel_is_there_exactly_when_the_cpu_has_vnni():
+    """This machine has AVX-512 VNNI, so the kernel must build; elsewhere ``int4`` must degrade
+    to int8 rather than fail (checked below with the loader forced off)."""
+    has_vnni = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= native._cpu_flags()
+    assert (native.load_int4() is not None) == has_vnni
+
+
+def test_int4_mode_falls_back_to_int8_without_the_kernel(monkeypatch):
+    from specdecode.models import quant
+
+    monkeypatch.setattr(native, "load_int4", lambda: None)
+    assert quant.usable_mode("int4", "float32") == "int8"
+    assert quant.usable_mode("int8", "float32") == "int8"
+    assert quant.usable_mode("int4", "bfloat16") is None
+
+
 @pytest.mark.parametrize("shape", [(40, 64), (131, 896), (9, 4864)], ids=str)
 def test_int4_draft_kernel_matches_its_dequantized_weights(shape):
     """The int4 draft kernel computes the dequantized weights' product up to its per-row int8
-    activations (about 1% error), for every row count it serves, and prefill rows take int8."""
+    activations (about 1% error), for every row count it serves, and prefill rows take int8.
+    Where the CPU lacks VNNI no draft is packed int4 (``usable_mode`` above), so the packing
+    and its int8 path are still checked and the kernel rows are left out."""
     from specdecode.models import quant
 
     gen = torch.Generator().manual_seed(3)
@@ -142,7 +159,7 @@ def test_int4_draft_kernel_matches_its_dequantized_weights(shape):
     packed = quant.pack_int4(w)
     deq = packed.dequantize()
     assert (deq - w).abs().max() <= packed.scales.max() / 2 + 1e-6  # round to nearest step
-    for n in (1, 2, 3, quant.INT4_MAX_ROWS):
+    for n in (1, 2, 3, quant.INT4_MAX_ROWS) if native.load_int4() is not None else ():
         x = torch.randn(n, shape[1], generator=gen)
         got, want = quant.linear_draft(x, packed), x @ deq.T
         assert (got - want).norm() <= 0.02 * want.norm(), n
