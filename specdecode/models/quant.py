@@ -68,6 +68,7 @@ class Int4Groups:
     scales: Tensor  # [out, in / INT4_GROUP] float32
     offset: Tensor  # [out] float32: 128 * sum over groups of scale * sum of the group's values
     int8: Any  # fbgemm prepacked int8 of the same weight
+    kernel: Any  # the compiled ``linear_int4``, looked up once here rather than per call; or None
 
     def dequantize(self) -> Tensor:
         out, half = self.packed.shape
@@ -97,19 +98,20 @@ def pack_int4(w: Tensor, chunk_rows: int = 8192) -> Any:
         half = INT4_GROUP // 2
         packed[start : start + chunk_rows] = (u[..., :half] | (u[..., half:] << 4)).reshape(-1, inp // 2)
         scales[start : start + chunk_rows] = s
-    return Int4Groups(packed, scales, offset, pack_int8(w))
+    from specdecode.models import native
+
+    module = native.load_int4()
+    return Int4Groups(packed, scales, offset, pack_int8(w), module.linear_int4 if module else None)
 
 
 def linear_draft(x: Tensor, w: Any) -> Tensor:
     """A quantized draft's ``x @ w.T``: the int4 kernel for a few rows of an ``Int4Groups``
-    weight, fbgemm's int8 otherwise."""
+    weight, fbgemm's int8 otherwise (and where the kernel cannot run)."""
     if not isinstance(w, Int4Groups):
         return linear_int8(x, w)
-    if x.shape[0] > INT4_MAX_ROWS:
+    if x.shape[0] > INT4_MAX_ROWS or w.kernel is None:
         return linear_int8(x, w.int8)
-    from specdecode.models import native
-
-    return native.load_int4().linear_int4(x.contiguous(), w.packed, w.scales, w.offset)
+    return w.kernel(x.contiguous(), w.packed, w.scales, w.offset)
 
 
 @dataclass(frozen=True, slots=True)
