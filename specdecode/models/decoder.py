@@ -66,12 +66,13 @@ class Decoder:
             LayerWeights(**{f: packed.get(f"layers.{i}.{f}") for f in LayerWeights.__slots__})
             for i in range(config.num_layers)
         ]
-        if quantize is not None:
-            self._quantize(quantize)
         cos, sin = kernels.rope_tables(
             config.head_dim, config.rope_theta, config.max_position_embeddings + kernels.KEY_BLOCK
         )
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)  # HF also rotates in the model dtype
+        self._fused = None  # an int4 draft's whole decode-row forward in one native call
+        if quantize is not None:
+            self._quantize(quantize)
 
     @classmethod
     def from_dir(
@@ -108,6 +109,7 @@ class Decoder:
             w.qkv, w.o = pack(w.qkv), pack(w.o)
             w.gate_up, w.down = pack(w.gate_up), pack(w.down)
         self._linear = quant.linear_draft
+        self._fused = quant.fused_int4_draft(self)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A cache for ``capacity`` tokens, rounded up to whole attention key blocks."""
@@ -127,6 +129,9 @@ class Decoder:
         With ``tree`` (row i's parent row, -1 for row 0), row i attends to the cache and its own
         ancestors instead; see ``forward_batch``.
         """
+        if self._fused is not None and tree is None and tokens.shape[0] <= quant.INT4_MAX_ROWS:
+            start = cache.reserve(tokens.shape[0])
+            return self._fused.forward(tokens, cache.k, cache.v, start, last_only)
         return self.forward_batch([(tokens, cache)], last_only, [tree])[0]
 
     @torch.inference_mode()

@@ -114,6 +114,28 @@ def linear_draft(x: Tensor, w: Any) -> Tensor:
     return w.kernel(x.contiguous(), w.packed, w.scales, w.offset)
 
 
+def fused_int4_draft(model: Any) -> Any:
+    """The native whole-forward of an int4 draft ``Decoder`` for its decode rows
+    (``Int4Draft`` in ``csrc/linear_int4.cpp``), or None unless every linear weight is
+    ``Int4Groups`` with its kernel. A one-row draft forward spends most of its time in torch's
+    per-op dispatch (some 40 small ops per layer), not in its weights; this removes it."""
+    weights = [model.lm_head] + [getattr(w, f) for w in model.layers for f in ("qkv", "o", "gate_up", "down")]
+    if not all(isinstance(w, Int4Groups) and w.kernel is not None for w in weights):
+        return None
+    from specdecode.models import native
+
+    def parts(w: Int4Groups) -> list[Tensor]:
+        return [w.packed, w.scales, w.offset]
+
+    cfg = model.config
+    empty = torch.empty(0)
+    layers = [[w.in_norm, w.post_norm, w.qkv_bias if w.qkv_bias is not None else empty,
+               *parts(w.qkv), *parts(w.o), *parts(w.gate_up), *parts(w.down)] for w in model.layers]
+    return native.load_int4().Int4Draft(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                        model.embed.contiguous(), model.cos, model.sin, model.norm,
+                                        parts(model.lm_head), layers)
+
+
 @dataclass(frozen=True, slots=True)
 class Int8Rows:
     """An int8 weight [out, in] with one float32 scale per output row, for the *target*:
