@@ -1,0 +1,71 @@
+"""The int4 draft's native whole forward (``Int4Draft``) computes what the torch layers compute.
+
+Both paths use the same int4 weights and the same per-row int8 activations, so they differ only
+where a rounding of the norm or attention moves an activation across an int8 step, which on
+the tiny models here leaves relative errors near 1e-7. Greedy identity with an int4 draft is checked with the
+other drafters (test_draft_options.py); this checks that the draft itself is right, which is what
+its acceptance rate depends on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.models import native, quant
+from specdecode.models.decoder import Decoder
+from tests.conftest import make_tiny_model
+
+pytestmark = pytest.mark.skipif(native.load_int4() is None, reason="needs AVX-512 VNNI (int4 falls back to int8)")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-3) -> bool:
+    # Measured here: relative errors near 1e-7; a wrong position or head gives tens of percent.
+    return bool((got - want).norm() <= tol * want.norm())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fused_forward_matches_the_torch_layers(tiny_models, arch):
+    model = Decoder.from_dir(tiny_models[arch], batch_invariant=False, quantize="int4")
+    assert model._fused is not None
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
+    fused, plain = model.new_cache(64), model.new_cache(64)
+    model.forward(prompt[:30], fused, last_only=True)  # prefill: more rows than the fused path takes
+    model.forward(prompt[:30], plain, last_only=True)
+    torch.testing.assert_close(fused.k, plain.k)
+    kernel, offset = model._fused, 30
+    for n in (1, 3, quant.INT4_MAX_ROWS):
+        rows = prompt[offset - n : offset] if n > 1 else prompt[offset : offset + 1]
+        got = model.forward(rows, fused)
+        model._fused = None
+        want = model.forward(rows, plain)
+        model._fused = kernel
+        assert got.shape == want.shape == (n, 96)
+        assert _close(got, want), n
+        assert fused.length == plain.length
+        assert _close(fused.k[:, :, : fused.length], plain.k[:, :, : plain.length])
+        assert _close(fused.v[:, :, : fused.length], plain.v[:, :, : plain.length])
+    last = model.forward(prompt[:2], fused, last_only=True)
+    model._fused = None
+    want = model.forward(prompt[:2], plain, last_only=True)
+    assert last.shape == (1, 96) and _close(last, want)
+
+
+def test_fused_forward_only_for_an_all_int4_draft(tiny_models, tmp_path):
+    assert Decoder.from_dir(tiny_models["qwen2"], batch_invariant=False, quantize="int8")._fused is None
+    assert Decoder.from_dir(tiny_models["qwen2"], batch_invariant=False)._fused is None
+    # An MLP width off the 64-input groups packs ``down`` int8, so the model keeps the torch layers.
+    odd = make_tiny_model(tmp_path / "odd", "qwen2", intermediate_size=96)
+    model = Decoder.from_dir(odd, batch_invariant=False, quantize="int4")
+    assert model._fused is None and not isinstance(model.layers[0].down, quant.Int4Groups)
+    cache = model.new_cache(16)
+    assert model.forward(torch.tensor([1, 2, 3]), cache).shape == (3, 96)
+
+
+def test_fused_forward_rejects_bad_tokens_and_full_caches(tiny_models):
+    model = Decoder.from_dir(tiny_models["llama"], batch_invariant=False, quantize="int4")
+    cache = model.new_cache(8)
+    with pytest.raises(RuntimeError, match="token id"):
+        model._fused.forward(torch.tensor([96]), cache.k, cache.v, 0, False)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        model._fused.forward(torch.tensor([1, 2]), cache.k, cache.v, cache.capacity - 1, False)
