@@ -67,10 +67,10 @@ class LLM:
         model stops drafting once its probability for the draft so far (the product of its token
         probabilities) falls below this; 0 never stops early, so with ``adaptive=False`` every
         draft has exactly ``num_speculative_tokens`` tokens.
-        ``draft_quantize``: "int8" (the default) gives the draft int8 weights, cheaper drafts with
-        exactness unaffected; "int4" gives its decode steps 4-bit weights (half the bytes again,
-        on CPUs with AVX-512 VNNI, else int8 with a warning); None or "none" keeps it in
-        ``dtype``. Without fbgemm (non-x86 builds of torch) the draft stays in ``dtype``, warned.
+        ``draft_quantize``: "int4" (the default) gives the draft's decode steps 4-bit weights
+        and one native call per forward (on CPUs with AVX-512 VNNI, else int8 with a warning);
+        "int8" gives it int8 weights; either way exactness is unaffected. None or "none" keeps it
+        in ``dtype``. Without fbgemm (non-x86 builds of torch) the draft stays in ``dtype``, warned.
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
         also drafts from each prompt and from earlier requests without one.
         ``lookahead_*``: window, n-gram size and verified candidates of ``method="lookahead"``.

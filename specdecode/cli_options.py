@@ -52,9 +52,10 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
                         "(the product of its token probabilities) falls below this; 0 never stops "
                         "early (default: %(default)s)")
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
-                   help="draft weights: int8 (cheaper drafts), int4 (4-bit weights for the draft's "
-                        "decode steps, on CPUs with AVX-512 VNNI; else int8) or none (the --dtype); the "
-                        "output stays exactly the target's either way (default: %(default)s)")
+                   help="draft weights: int4 (4-bit weights and one native call per draft step, on "
+                        "CPUs with AVX-512 VNNI; else int8), int8 (cheaper drafts than float) or none "
+                        "(the --dtype); the output stays exactly the target's either way "
+                        "(default: %(default)s)")
 
 
 def add_method_options(p: argparse.ArgumentParser) -> None:
