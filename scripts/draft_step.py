@@ -1,10 +1,12 @@
 """Time one forward of the draft model on its fast path (one SDPA call and a fused rms_norm per
-layer) against the batch-invariant path the target needs, for a few row counts.
+layer) against the batch-invariant path the target needs, for a few row counts; for an int4
+draft, its native whole forward (``Int4Draft``) against the same weights through torch layers.
 
 The draft's numerics never affect exactness, so it may take whichever path is faster; this is the
 measurement behind that choice (docs/PERFORMANCE.md). Both paths run in one process, alternating.
 
     python scripts/draft_step.py --rows 1,2,5
+    python scripts/draft_step.py --quantize int4 --rows 1,2
 """
 
 from __future__ import annotations
@@ -31,8 +33,14 @@ def main() -> None:
     cache = model.new_cache(args.context + 64)
     model.forward(torch.randint(0, 1000, (args.context,)), cache, last_only=True)
 
+    fused = model._fused
+    names = ("native forward", "torch layers") if fused is not None else ("fast path", "invariant path")
+
     def step(rows: int, fast: bool) -> float:
-        model.batch_invariant = not fast  # selects the attention and norm path, nothing else
+        if fused is not None:  # int4: the native whole forward against torch's fast path
+            model._fused = fused if fast else None
+        else:
+            model.batch_invariant = not fast  # selects the attention and norm path, nothing else
         start = time.perf_counter()
         model.forward(torch.arange(rows) + 5, cache)
         elapsed = time.perf_counter() - start
@@ -45,7 +53,7 @@ def main() -> None:
             for fast in (True, False):
                 times[fast].append(step(rows, fast))
         fast_ms, exact_ms = (sorted(times[f])[args.repeat // 2] * 1e3 for f in (True, False))
-        print(f"{rows} row(s): fast path {fast_ms:.1f} ms, invariant path {exact_ms:.1f} ms")
+        print(f"{rows} row(s): {names[0]} {fast_ms:.1f} ms, {names[1]} {exact_ms:.1f} ms")
 
 
 if __name__ == "__main__":
