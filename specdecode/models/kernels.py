@@ -5,12 +5,14 @@ one row at a time. If a row rounded differently in the two cases, a near-tie in 
 flip the argmax and the "lossless" output would drift from plain decoding.
 
 Linear layers take weights ``[out, in]``. The fast path is the native kernel (``native.py``),
-invariant for every row count including one. The portable torch path and attention rely on a
-measurement (torch 2.13 here, fp32, MKL): a GEMM with at least ``MIN_GEMM_ROWS`` rows gives each
-row the same bits for every row count and row position, while calls with fewer rows take
+invariant for every row count including one. The portable torch path and attention rely on
+measurements (torch 2.13, fp32, MKL): calls with fewer than ``MIN_GEMM_ROWS`` rows take
 small-matrix kernels that round differently (one row: GEMV; two or three rows differed too, e.g.
-for a reduction length of 1536 or a head dim of 128 with 1-3 query heads per kv head). So short
-calls are padded with zero rows up to ``MIN_GEMM_ROWS``. The reductions in attention also run
+for a reduction length of 1536 or a head dim of 128 with 1-3 query heads per kv head), so short
+calls are padded with zero rows. Attention's batched GEMMs then gave a row the same bits for
+every row count and position on both CPUs measured (Intel, AMD EPYC); the linear layout
+``w @ x.T`` did not on the AMD one (the kernel changed at 12 rows), so the portable linear always
+calls BLAS with exactly ``MIN_GEMM_ROWS`` rows. The reductions in attention also run
 over fixed-size key blocks so that extra (masked, exactly zero) keys never regroup the sums of the
 real ones.
 """
@@ -38,13 +40,20 @@ PREFILL_ROWS = 40
 
 
 def linear_portable(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` with a row count that always selects the same GEMM kernel.
+    """``x @ w.T`` through BLAS calls of exactly ``MIN_GEMM_ROWS`` rows each (zero-padded), so
+    every row meets the same GEMM kernel whatever the row count. One call per row count is not
+    enough: on an AMD EPYC (AVX2) MKL changed kernels between 11 and 12 rows, and a row's bits
+    with it (measured 2026-11-23). Prefills (more than ``PREFILL_ROWS`` rows, the same call for
+    every method) take one call.
 
     x: [N, in]; w: [out, in] -> [N, out].
     """
-    # Contiguous results: a reduction over a transposed view may group its sums by row count.
     n = x.shape[0]
-    return (w @ _pad_rows(x, 0).T).T[:n].contiguous()
+    if n > PREFILL_ROWS:
+        return torch.nn.functional.linear(x, w)
+    # Contiguous results: a reduction over a transposed view may group its sums by row count.
+    chunks = [(w @ _pad_rows(c, 0).T).T for c in x.split(MIN_GEMM_ROWS)]
+    return torch.cat(chunks)[:n].contiguous()
 
 
 def _pad_rows(x: Tensor, dim: int) -> Tensor:
