@@ -12,12 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.models import native, quant
+from specdecode.models import quant
 from specdecode.models.decoder import Decoder
 from tests.conftest import make_tiny_model
-
-pytestmark = pytest.mark.skipif(native.load_int4() is None, reason="needs AVX-512 VNNI (int4 falls back to int8)")
-
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-3) -> bool:
     # Measured here: relative errors near 1e-7; a wrong position or head gives tens of percent.

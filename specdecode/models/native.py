@@ -58,19 +58,29 @@ def load() -> ModuleType | None:
     return _build(SOURCE, "linear_rows", compile_flags(), _unavailable)
 
 
-INT4_FLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-              "-fopenmp"]
+VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+
+
+def int4_flags() -> list[str]:
+    """Compiler flags of the int4 draft kernel: its AVX-512 VNNI build (one VPDPBUSD per group of
+    64 inputs) where the CPU has it and ``SPECDECODE_AVX512`` is not 0, else its AVX2 build (two
+    VPMADDUBSW and a VPMADDWD per group). Drafts may round either way; exactness never depends
+    on them."""
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    if os.environ.get("SPECDECODE_AVX512", "1") != "0" and VNNI_FLAGS <= _cpu_flags():
+        flags[3:3] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+    return flags
 
 
 @functools.cache
 def load_int4() -> ModuleType | None:
-    """The int4 draft kernel (``csrc/linear_int4.cpp``), or None where the CPU lacks AVX-512 VNNI
-    or it cannot be built; callers then keep the draft in int8 (reason printed once)."""
+    """The int4 draft kernel (``csrc/linear_int4.cpp``), or None where the CPU lacks AVX2/FMA or
+    it cannot be built; callers then keep the draft in int8 (reason printed once)."""
     if os.environ.get("SPECDECODE_NATIVE", "1") == "0":
         return None
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= _cpu_flags():
-        return _int4_unavailable("this CPU lacks AVX-512 VNNI")
-    return _build(INT4_SOURCE, "linear_int4", INT4_FLAGS, _int4_unavailable)
+    if not cpu_has_avx2_fma():
+        return _int4_unavailable("this CPU lacks AVX2/FMA")
+    return _build(INT4_SOURCE, "linear_int4", int4_flags(), _int4_unavailable)
 
 
 def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType | None:

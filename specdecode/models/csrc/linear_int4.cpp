@@ -1,16 +1,23 @@
-// Int4 weight, int8 activation linear layer for draft models on x86-64 CPUs with AVX-512 VNNI.
+// Int4 weight, int8 activation linear layer for draft models on x86-64 CPUs: AVX2, or AVX-512
+// VNNI where the CPU has it.
 //
 // A draft's numerics never affect exactness (the target verifies every token it proposes), so
 // its few decode rows may take the cheapest arithmetic that keeps it agreeing with the target:
 // weights as signed 4-bit values with one float scale per group of 64 inputs, activations
-// quantized to int8 per row per call, products summed in int32 by VPDPBUSD (64 per instruction).
-// A decode step then reads 4.5 bits per weight instead of fbgemm's 8.
+// quantized to int8 per row per call, products summed in int32. A decode step then reads 4.5
+// bits per weight instead of fbgemm's 8.
 //
 // Layout: packed[n, g*32 + j] holds weight (n, g*64 + j) in its low nibble and (n, g*64 + 32 + j)
-// in its high nibble, each stored as value + 8 (0..15). VPDPBUSD multiplies unsigned by signed
-// bytes, so the activations go unsigned (xq + 128) and the weights signed (nibble - 8); the
-// 128 * sum(w) the offset adds is a per-output constant, ``offset[n]`` = 128 * sum_g s_g * sum(w_g),
-// computed when quantizing.
+// in its high nibble, each stored as value + 8 (0..15). Both instruction sets multiply unsigned
+// by signed bytes, so the activations go unsigned (xq + 128) and the weights signed (nibble - 8);
+// the 128 * sum(w) the offset adds is a per-output constant, ``offset[n]`` =
+// 128 * sum_g s_g * sum(w_g), computed when quantizing.
+//
+// One group (64 products) is one VPDPBUSD with AVX-512 VNNI. With AVX2 it is two VPMADDUBSW
+// (pairs of u8 * s8 into int16: at most 2 * 255 * 8 = 4080, so neither they nor the sum of the
+// two halves can saturate) and one VPMADDWD against ones (into int32). The compiler flags choose
+// the build (``native.int4_flags()``); both give the same integers per group, so the two builds
+// differ only in the float accumulation order.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -20,47 +27,110 @@
 
 namespace {
 
-constexpr int64_t G = 64;  // inputs per scale group: one VPDPBUSD per group and output
+constexpr int64_t G = 64;  // inputs per scale group
 // Software prefetch, bytes ahead in the weight stream: a draft's matrices are small (a call
 // streams 0.4-4 MB), too short for the hardware prefetcher to ramp up. All layers of the 0.5B
 // draft, one row: 14.1 ms without, 12.0 / 11.0 / 9.8 / 10.2 ms at 512 B / 1 / 3 / 4 KB (2026-11-22).
 constexpr int64_t PF = 3072;
 
-inline __m512i unpack(const uint8_t* p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using Acc = __m512;  // float partial sums of one output and row
+struct Group {       // one group's 64 bytes: activations (unsigned) or weights (signed)
+    __m512i v;
+};
+
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+inline Group load_x(const uint8_t* p) { return {_mm512_loadu_si512(reinterpret_cast<const void*>(p))}; }
+
+inline Group load_w(const uint8_t* p) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i m = _mm256_set1_epi8(0x0F);
     const __m256i lo = _mm256_and_si256(v, m);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
     const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    return _mm512_sub_epi8(u, _mm512_set1_epi8(8));
+    return {_mm512_sub_epi8(u, _mm512_set1_epi8(8))};
 }
+
+// acc += scale * (the group's 64 products x * w, summed in int32).
+inline Acc group_fma(const Group& x, const Group& w, float scale, Acc acc) {
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x.v, w.v);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(scale), acc);
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= d; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
+    float s = _mm512_reduce_add_ps(acc);
+    for (; k < d; ++k) s += a[k] * b[k];
+    return s;
+}
+#else
+using Acc = __m256;
+struct Group {  // a group's first and last 32 bytes
+    __m256i lo, hi;
+};
+
+inline float hsum(__m256 a) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(Acc a) { return hsum(a); }
+
+inline Group load_x(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+
+inline Group load_w(const uint8_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i m = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    return {_mm256_sub_epi8(_mm256_and_si256(v, m), eight),
+            _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), eight)};
+}
+
+inline Acc group_fma(const Group& x, const Group& w, float scale, Acc acc) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(x.lo, w.lo), _mm256_maddubs_epi16(x.hi, w.hi));
+    const __m256i d = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale), acc);
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= d; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    float s = hsum(acc);
+    for (; k < d; ++k) s += a[k] * b[k];
+    return s;
+}
+#endif
 
 // JB outputs x R rows; xq: unsigned activations [rows, in], row-major.
 template <int JB, int R>
 inline void tile(const uint8_t* xq, const float* xs, const uint8_t* w, const float* s, const float* off,
                  float* y, int64_t in, int64_t out, int64_t j0, int64_t r0) {
     const int64_t groups = in / G;
-    __m512 acc[JB][R];
+    Acc acc[JB][R];
     for (int a = 0; a < JB; ++a)
-        for (int b = 0; b < R; ++b) acc[a][b] = _mm512_setzero_ps();
+        for (int b = 0; b < R; ++b) acc[a][b] = acc_zero();
     for (int64_t g = 0; g < groups; ++g) {
-        __m512i xv[R];
-        for (int b = 0; b < R; ++b)
-            xv[b] = _mm512_loadu_si512(reinterpret_cast<const void*>(xq + (r0 + b) * in + g * G));
+        Group xv[R];
+        for (int b = 0; b < R; ++b) xv[b] = load_x(xq + (r0 + b) * in + g * G);
         for (int a = 0; a < JB; ++a) {
             const uint8_t* wp = w + (j0 + a) * (in / 2) + g * (G / 2);
             _mm_prefetch(reinterpret_cast<const char*>(wp + PF), _MM_HINT_T0);
-            const __m512i wv = unpack(wp);
-            const __m512 sg = _mm512_set1_ps(s[(j0 + a) * groups + g]);
-            for (int b = 0; b < R; ++b) {
-                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xv[b], wv);
-                acc[a][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sg, acc[a][b]);
-            }
+            const Group wv = load_w(wp);
+            const float sg = s[(j0 + a) * groups + g];
+            for (int b = 0; b < R; ++b) acc[a][b] = group_fma(xv[b], wv, sg, acc[a][b]);
         }
     }
     for (int a = 0; a < JB; ++a)
         for (int b = 0; b < R; ++b)
-            y[(r0 + b) * out + j0 + a] = xs[r0 + b] * (_mm512_reduce_add_ps(acc[a][b]) - off[j0 + a]);
+            y[(r0 + b) * out + j0 + a] = xs[r0 + b] * (acc_sum(acc[a][b]) - off[j0 + a]);
 }
 
 template <int JB>
@@ -129,15 +199,6 @@ void rope(float* v, const float* cos, const float* sin, int64_t d) {
         v[k] = a * cos[k] - b * sin[k];
         v[k + half] = b * cos[k + half] + a * sin[k + half];
     }
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= d; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
-    float s = _mm512_reduce_add_ps(acc);
-    for (; k < d; ++k) s += a[k] * b[k];
-    return s;
 }
 
 struct Layer {
@@ -210,8 +271,11 @@ class Int4Draft {
         const int64_t capacity = k_cache.size(2), end = start + n;
         TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == (int64_t)layers_.size()
                         && k_cache.size(1) == hkv && k_cache.size(3) == d, "bad kv cache");
-        TORCH_CHECK(end <= capacity && end <= cos_.size(0), "slots past the cache");
-        const int64_t* tok = tokens.data_ptr<int64_t>();
+        TORCH_CHECK(start >= 0 && end <= capacity && end <= cos_.size(0), "slots past the cache");
+        TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && tokens.numel() > 0,
+                    "tokens must be [n > 0] int64");
+        const torch::Tensor ids = tokens.contiguous();
+        const int64_t* tok = ids.data_ptr<int64_t>();
         const int64_t inter = layers_.empty() ? 0 : layers_[0].down.in;
         const int64_t widest = std::max({D, hq * d, inter});
         std::vector<float> x(n * D), h(n * D), qkv(n * (hq + 2 * hkv) * d), attn(n * hq * d),
@@ -304,7 +368,9 @@ class Int4Draft {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("linear_int4", &linear_int4, "int4-weight, int8-activation x @ w.T for draft decode rows (AVX-512 VNNI)");
+    m.def("lanes", [] { return static_cast<int64_t>(sizeof(Acc) / sizeof(float)); },
+          "float lanes per accumulator: 16 in the AVX-512 VNNI build, 8 in the AVX2 build");
+    m.def("linear_int4", &linear_int4, "int4-weight, int8-activation x @ w.T for draft decode rows (AVX2 or AVX-512 VNNI)");
     pybind11::class_<Int4Draft>(m, "Int4Draft")
         .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
                             torch::Tensor, std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>>())
