@@ -68,7 +68,7 @@ class LLM:
         probabilities) falls below this; 0 never stops early, so with ``adaptive=False`` every
         draft has exactly ``num_speculative_tokens`` tokens.
         ``draft_quantize``: "int4" (the default) gives the draft's decode steps 4-bit weights
-        and one native call per forward (on CPUs with AVX-512 VNNI, else int8 with a warning);
+        and one native call per forward (on x86 CPUs with AVX2, else int8 with a warning);
         "int8" gives it int8 weights; either way exactness is unaffected. None or "none" keeps it
         in ``dtype``. Without fbgemm (non-x86 builds of torch) the draft stays in ``dtype``, warned.
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which

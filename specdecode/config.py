@@ -23,7 +23,8 @@ MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
 DEFAULT_DRAFT_CONFIDENCE = 0.5
 # int4 drafts (one native call per draft forward) beat int8 in every category of one bench pair:
 # draft_model 2.44x against 2.10x plain decoding over all workloads (docs/PERFORMANCE.md, lever
-# 22). Where the CPU lacks AVX-512 VNNI, int4 falls back to int8; "none" keeps the model dtype.
+# 22). The kernel needs AVX2 (it uses AVX-512 VNNI where present); without AVX2 int4 falls back
+# to int8; "none" keeps the model dtype.
 DRAFT_QUANTIZE_CHOICES = ("int8", "int4", "none")
 DEFAULT_DRAFT_QUANTIZE = "int4"
 DTYPES = ("float32", "bfloat16")

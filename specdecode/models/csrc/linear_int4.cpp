@@ -40,6 +40,8 @@ struct Group {       // one group's 64 bytes: activations (unsigned) or weights 
 };
 
 inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline Acc acc_load(const float* p) { return _mm512_loadu_ps(p); }
+inline Acc acc_fma(Acc a, Acc b, Acc c) { return _mm512_fmadd_ps(a, b, c); }
 inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
 inline Group load_x(const uint8_t* p) { return {_mm512_loadu_si512(reinterpret_cast<const void*>(p))}; }
 
@@ -55,16 +57,7 @@ inline Group load_w(const uint8_t* p) {
 // acc += scale * (the group's 64 products x * w, summed in int32).
 inline Acc group_fma(const Group& x, const Group& w, float scale, Acc acc) {
     const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x.v, w.v);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(scale), acc);
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= d; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
-    float s = _mm512_reduce_add_ps(acc);
-    for (; k < d; ++k) s += a[k] * b[k];
-    return s;
+    return acc_fma(_mm512_cvtepi32_ps(d), _mm512_set1_ps(scale), acc);
 }
 #else
 using Acc = __m256;
@@ -79,6 +72,8 @@ inline float hsum(__m256 a) {
 }
 
 inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline Acc acc_load(const float* p) { return _mm256_loadu_ps(p); }
+inline Acc acc_fma(Acc a, Acc b, Acc c) { return _mm256_fmadd_ps(a, b, c); }
 inline float acc_sum(Acc a) { return hsum(a); }
 
 inline Group load_x(const uint8_t* p) {
@@ -96,18 +91,20 @@ inline Group load_w(const uint8_t* p) {
 inline Acc group_fma(const Group& x, const Group& w, float scale, Acc acc) {
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(x.lo, w.lo), _mm256_maddubs_epi16(x.hi, w.hi));
     const __m256i d = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale), acc);
+    return acc_fma(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale), acc);
 }
+#endif
+
+constexpr int64_t LANES = sizeof(Acc) / sizeof(float);
 
 inline float dot(const float* a, const float* b, int64_t d) {
-    __m256 acc = _mm256_setzero_ps();
+    Acc acc = acc_zero();
     int64_t k = 0;
-    for (; k + 8 <= d; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    float s = hsum(acc);
+    for (; k + LANES <= d; k += LANES) acc = acc_fma(acc_load(a + k), acc_load(b + k), acc);
+    float s = acc_sum(acc);
     for (; k < d; ++k) s += a[k] * b[k];
     return s;
 }
-#endif
 
 // JB outputs x R rows; xq: unsigned activations [rows, in], row-major.
 template <int JB, int R>
@@ -368,7 +365,7 @@ class Int4Draft {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("lanes", [] { return static_cast<int64_t>(sizeof(Acc) / sizeof(float)); },
+    m.def("lanes", [] { return LANES; },
           "float lanes per accumulator: 16 in the AVX-512 VNNI build, 8 in the AVX2 build");
     m.def("linear_int4", &linear_int4, "int4-weight, int8-activation x @ w.T for draft decode rows (AVX2 or AVX-512 VNNI)");
     pybind11::class_<Int4Draft>(m, "Int4Draft")
