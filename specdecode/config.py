@@ -14,9 +14,10 @@ from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 METHODS = ("none", "ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self")
 # Methods that draft with a separate draft model (and so need --draft or a default pair).
 DRAFT_MODEL_METHODS = ("draft_model", "combined", "tree")
-# Up to 8 drafts per step beat up to 5 under the int8-draft defaults: 2.43x against 2.22x of plain
-# decoding for draft_model on code, code-edit, chat and math in one run (docs/PERFORMANCE.md).
-DEFAULT_SPECULATIVE_TOKENS = 8
+# Up to 12 drafts per step: with the int4 draft (12 ms a drafted token on the AVX2 machine) K=12
+# beat K=8 in each of four runs, by 2-6% for draft_model, combined, tree and ngram (lever 25 in
+# docs/PERFORMANCE.md); with the dearer int8 draft, 8 had beaten 5 and tied 12.
+DEFAULT_SPECULATIVE_TOKENS = 12
 MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
 # Stop drafting once the draft's probability for its draft so far drops below this. 0.5 was the
 # best of 0-0.7 (per-token and cumulative rules) on five workloads; docs/PERFORMANCE.md.
