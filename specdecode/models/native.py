@@ -7,6 +7,8 @@ C++ compiler through ``torch.utils.cpp_extension`` into ``$SPECDECODE_HOME/kerne
 is built for AVX-512 where the CPU has it (``SPECDECODE_AVX512=0`` forces the AVX2 build).
 Where it cannot be built or run (no compiler, no AVX2), ``load()`` returns None once with a
 warning and the decoder uses its portable torch path, which is exact too but slower.
+``csrc/linear_int4.cpp``, the int4 draft kernel, is built the same way on first use of an int4
+draft: for AVX-512 VNNI where the CPU has it, else for AVX2 (``int4_flags()``).
 """
 
 from __future__ import annotations

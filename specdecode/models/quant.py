@@ -20,7 +20,7 @@ from torch import Tensor
 
 QUANTIZE_MODES = ("int8",)  # for a target
 DRAFT_MODES = ("int8", "int4")
-INT4_GROUP = 64  # inputs per int4 scale: the kernel's one VPDPBUSD per group and output
+INT4_GROUP = 64  # inputs per int4 scale: one VPDPBUSD (VNNI) or two VPMADDUBSW (AVX2) per group and output
 INT4_MAX_ROWS = 8  # calls with more rows (a prompt's prefill) take the int8 copy
 
 
