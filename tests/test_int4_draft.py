@@ -16,6 +16,7 @@ from specdecode.models import quant
 from specdecode.models.decoder import Decoder
 from tests.conftest import make_tiny_model
 
+
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-3) -> bool:
     # Measured here: relative errors near 1e-7; a wrong position or head gives tens of percent.
     return bool((got - want).norm() <= tol * want.norm())

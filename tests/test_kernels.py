@@ -35,6 +35,23 @@ def test_rows_bitwise_invariant(path, shape):
     torch.testing.assert_close(alone, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
+def test_portable_rows_past_the_prefill_line_stay_invariant_when_asked(monkeypatch):
+    """Batched decode rows of many sequences can exceed ``PREFILL_ROWS``; with ``invariant`` the
+    portable path (and the int8 target's fallback to it without the native kernel) must still
+    give each row its one-row bits rather than one BLAS call's."""
+    from specdecode.models.quant import quantize_rows
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(52, 300, generator=gen)
+    x = torch.randn(kernels.PREFILL_ROWS + 20, 300, generator=gen)
+    alone = torch.cat([kernels.linear_portable(row[None], w) for row in x])
+    assert torch.equal(kernels.linear_portable(x, w, invariant=True), alone)
+    q = quantize_rows(w)
+    monkeypatch.setattr(native, "load", lambda: None)
+    alone = torch.cat([kernels.linear_int8(row[None], q) for row in x])
+    assert torch.equal(kernels.linear_int8(x, q, invariant=True), alone)
+
+
 def test_native_rows_beyond_one_pass_are_exact():
     """Calls wider than the kernel's one pass (60 rows with AVX-512, 63 with AVX2; batched
     server steps) slice rows, never sums."""
@@ -138,28 +155,46 @@ def test_int4_kernel_builds_on_this_machine():
     assert kernel.lanes() == (16 if "-mavx512vnni" in native.int4_flags() else 8)
 
 
-def test_int4_avx2_build_matches_its_dequantized_weights():
-    """The AVX2 build (VPMADDUBSW pairs) checked in a subprocess forced to it, since this
-    machine's build may be the VNNI one: products against the dequantized weights, every row
-    count a draft step uses, and a weight whose every value is at the int4 extremes (where an
-    int16 pair sum would saturate if the bound in the kernel's header were wrong)."""
+def test_int4_avx2_build_matches_its_dequantized_weights(tiny_models):
+    """The AVX2 build (VPMADDUBSW pairs), checked in a subprocess forced to it since this
+    machine's build may be the VNNI one: products against the dequantized weights for every row
+    count a draft step uses; a weight of all -8 against activations of all +127 (unsigned 255),
+    the largest int16 pair sums the format allows (2 x 255 x 8); and the whole-forward
+    ``Int4Draft`` of that build against the torch layers."""
     script = """
+import sys
 import torch
 from specdecode.models import native, quant
+from specdecode.models.decoder import Decoder
 k = native.load_int4()
 assert k is not None and k.lanes() == 8, k
 g = torch.Generator().manual_seed(4)
-for w in (torch.randn(131, 896, generator=g) * 0.05, torch.tensor([[-8.0, 7.0] * 64] * 5)):
-    packed = quant.pack_int4(w)
-    deq = packed.dequantize()
-    for n in (1, 2, 3, quant.INT4_MAX_ROWS):
-        x = torch.randn(n, w.shape[1], generator=g)
-        x[0] = torch.tensor([-1.0, 1.0] * (w.shape[1] // 2))  # activations at the int8 extremes too
-        got, want = k.linear_int4(x, packed.packed, packed.scales, packed.offset), x @ deq.T
-        assert (got - want).norm() <= 0.02 * want.norm(), n
+w = torch.randn(131, 896, generator=g) * 0.05
+packed = quant.pack_int4(w)
+for n in (1, 2, 3, quant.INT4_MAX_ROWS):
+    x = torch.randn(n, 896, generator=g)
+    got, want = k.linear_int4(x, packed.packed, packed.scales, packed.offset), x @ packed.dequantize().T
+    assert (got - want).norm() <= 0.02 * want.norm(), n
+# Every nibble 0 is the value -8; one scale of 1 per group; offset = 128 * sum of the values.
+low = torch.zeros(5, 128 // 2, dtype=torch.uint8)
+scales, offset = torch.ones(5, 2), torch.full((5,), 128.0 * -8 * 128)
+x = torch.ones(3, 128)
+torch.testing.assert_close(k.linear_int4(x, low, scales, offset), torch.full((3, 5), -8.0 * 128))
+model = Decoder.from_dir(sys.argv[1], batch_invariant=False, quantize="int4")
+fused, plain = model.new_cache(64), model.new_cache(64)
+prompt = torch.randint(0, 96, (20,), generator=g)
+model.forward(prompt[:17], fused)
+model.forward(prompt[:17], plain)
+kernel = model._fused
+assert kernel is not None
+got = model.forward(prompt[17:], fused)
+model._fused = None
+want = model.forward(prompt[17:], plain)
+assert (got - want).norm() <= 1e-3 * want.norm()
 """
     env = {**os.environ, "SPECDECODE_AVX512": "0"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script, str(tiny_models["qwen2"])], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

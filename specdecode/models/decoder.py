@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from specdecode.cache import KVCache
-from specdecode.config import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidConfigError
 from specdecode.models import kernels, quant
 from specdecode.models.config import ModelConfig
@@ -198,15 +197,12 @@ class Decoder:
 
     def _rows_linear(self, x: Tensor, w: Tensor) -> Tensor:
         """``self._linear`` for the decode rows of many sequences, which must stay on the
-        invariant kernels: the native kernel takes any row count in one pass over the weights;
-        other paths get chunks no wider than one verify step, the range their invariance was
-        measured over."""
-        if self._linear in (kernels.linear_native, kernels.linear_int8):
+        invariant kernels however many rows they add up to: the native kernel takes any row
+        count in one pass over the weights, the portable path any count in 8-row calls. A
+        draft's fast path needs no invariance."""
+        if self._linear in (kernels.linear_native, kernels.linear_int8, kernels.linear_portable):
             return self._linear(x, w, invariant=True)
-        step_rows = MAX_SPECULATIVE_TOKENS + 1
-        if x.shape[0] <= step_rows:
-            return self._linear(x, w)
-        return torch.cat([self._linear(c, w) for c in x.split(step_rows)])
+        return self._linear(x, w)
 
     def _layer(self, x, w: LayerWeights, i: int, views: list[_SegmentView], cos, sin, linear) -> Tensor:
         cfg = self.config

@@ -39,17 +39,18 @@ MIN_GEMM_ROWS = 8  # fewer rows than this take BLAS small-matrix paths; we pad u
 PREFILL_ROWS = 40
 
 
-def linear_portable(x: Tensor, w: Tensor) -> Tensor:
+def linear_portable(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
     """``x @ w.T`` through BLAS calls of exactly ``MIN_GEMM_ROWS`` rows each (zero-padded), so
     every row meets the same GEMM kernel whatever the row count. One call per row count is not
     enough: on an AMD EPYC (AVX2) MKL changed kernels between 11 and 12 rows, and a row's bits
     with it (measured 2026-11-23). Prefills (more than ``PREFILL_ROWS`` rows, the same call for
-    every method) take one call.
+    every method) take one call unless ``invariant`` insists (batched decode rows of many
+    sequences).
 
     x: [N, in]; w: [out, in] -> [N, out].
     """
     n = x.shape[0]
-    if n > PREFILL_ROWS:
+    if n > PREFILL_ROWS and not invariant:
         return torch.nn.functional.linear(x, w)
     # Contiguous results: a reduction over a transposed view may group its sums by row count.
     chunks = [(w @ _pad_rows(c, 0).T).T for c in x.split(MIN_GEMM_ROWS)]
@@ -92,7 +93,7 @@ def linear_int8(x: Tensor, w: "Int8Rows", invariant: bool = False) -> Tensor:
         return torch.nn.functional.linear(x, w.dequantize())
     kernel = native.load()
     if kernel is None:
-        return linear_portable(x, w.dequantize())
+        return linear_portable(x, w.dequantize(), invariant)
     return kernel.linear_rows_int8(x.contiguous(), w.q, w.scale)
 
 
