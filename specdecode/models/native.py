@@ -40,14 +40,24 @@ def cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma"} <= _cpu_flags()
 
 
+AVX512_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
+def _flags_for(features: tuple[str, ...]) -> list[str]:
+    """AVX2/FMA build flags, plus ``-m<feature>`` for each of ``features`` (``/proc/cpuinfo``
+    names, which match GCC's but for an underscore) when the CPU lists them all and
+    ``SPECDECODE_AVX512`` is not 0."""
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    if os.environ.get("SPECDECODE_AVX512", "1") != "0" and set(features) <= _cpu_flags():
+        flags += ["-m" + f.replace("_", "") for f in features]
+    return flags
+
+
 def compile_flags() -> list[str]:
     """Compiler flags for this CPU: AVX-512 (16-lane accumulators, twice the arithmetic per
     instruction, which multi-row verify steps need) when it has it, else AVX2/FMA. The lane count
     changes the kernel's bits between builds, never between the calls of one build."""
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-    if os.environ.get("SPECDECODE_AVX512", "1") != "0" and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags():
-        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-    return flags
+    return _flags_for(AVX512_FEATURES)
 
 
 @functools.cache
@@ -60,18 +70,12 @@ def load() -> ModuleType | None:
     return _build(SOURCE, "linear_rows", compile_flags(), _unavailable)
 
 
-VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
-
-
 def int4_flags() -> list[str]:
     """Compiler flags of the int4 draft kernel: its AVX-512 VNNI build (one VPDPBUSD per group of
     64 inputs) where the CPU has it and ``SPECDECODE_AVX512`` is not 0, else its AVX2 build (two
     VPMADDUBSW and a VPMADDWD per group). Drafts may round either way; exactness never depends
     on them."""
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-    if os.environ.get("SPECDECODE_AVX512", "1") != "0" and VNNI_FLAGS <= _cpu_flags():
-        flags[3:3] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
-    return flags
+    return _flags_for((*AVX512_FEATURES, "avx512_vnni"))
 
 
 @functools.cache
