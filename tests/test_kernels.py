@@ -185,8 +185,7 @@ fused, plain = model.new_cache(64), model.new_cache(64)
 prompt = torch.randint(0, 96, (20,), generator=g)
 model.forward(prompt[:17], fused)
 model.forward(prompt[:17], plain)
-kernel = model._fused
-assert kernel is not None
+assert model._fused is not None
 got = model.forward(prompt[17:], fused)
 model._fused = None
 want = model.forward(prompt[17:], plain)

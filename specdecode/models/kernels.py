@@ -11,8 +11,9 @@ small-matrix kernels that round differently (one row: GEMV; two or three rows di
 for a reduction length of 1536 or a head dim of 128 with 1-3 query heads per kv head), so short
 calls are padded with zero rows. Attention's batched GEMMs then gave a row the same bits for
 every row count and position on both CPUs measured (Intel, AMD EPYC); the linear layout
-``w @ x.T`` did not on the AMD one (the kernel changed at 12 rows), so the portable linear always
-calls BLAS with exactly ``MIN_GEMM_ROWS`` rows. The reductions in attention also run
+``w @ x.T`` did not on the AMD one (rows changed bits in calls of 9 or more rows;
+``scripts/blas_invariance.py``), so the portable linear always calls BLAS with exactly
+``MIN_GEMM_ROWS`` rows. The reductions in attention also run
 over fixed-size key blocks so that extra (masked, exactly zero) keys never regroup the sums of the
 real ones.
 """
@@ -42,8 +43,8 @@ PREFILL_ROWS = 40
 def linear_portable(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
     """``x @ w.T`` through BLAS calls of exactly ``MIN_GEMM_ROWS`` rows each (zero-padded), so
     every row meets the same GEMM kernel whatever the row count. One call per row count is not
-    enough: on an AMD EPYC (AVX2) MKL changed kernels between 11 and 12 rows, and a row's bits
-    with it (measured 2026-11-23). Prefills (more than ``PREFILL_ROWS`` rows, the same call for
+    enough: on an AMD EPYC (AVX2) calls of 9 or more rows gave some rows other bits than alone
+    (``scripts/blas_invariance.py``, 2026-11-23). Prefills (more than ``PREFILL_ROWS`` rows, the same call for
     every method) take one call unless ``invariant`` insists (batched decode rows of many
     sequences).
 
