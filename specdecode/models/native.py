@@ -24,6 +24,7 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_rows.cpp"
 INT4_SOURCE = Path(__file__).parent / "csrc" / "linear_int4.cpp"
+GGUF_SOURCE = Path(__file__).parent / "csrc" / "linear_gguf.cpp"
 
 
 def _cpu_flags() -> set[str]:
@@ -87,6 +88,34 @@ def load_int4() -> ModuleType | None:
     if not cpu_has_avx2_fma():
         return _int4_unavailable("this CPU lacks AVX2/FMA")
     return _build(INT4_SOURCE, "linear_int4", int4_flags(), _int4_unavailable)
+
+
+def gguf_flags(portable: bool | None = None) -> list[str]:
+    """Compiler flags of the GGUF kernel: its AVX2 build where the CPU has AVX2 (and F16C, FMA),
+    else its portable C++ build; ``SPECDECODE_GGUF_PORTABLE=1`` forces the portable one. Floats
+    are never contracted implicitly: both builds round exactly alike (see the kernel's header)."""
+    if portable is None:
+        portable = os.environ.get("SPECDECODE_GGUF_PORTABLE") == "1" or not cpu_has_avx2_fma()
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    return flags if portable else flags + ["-mavx2", "-mfma", "-mf16c"]
+
+
+@functools.cache
+def load_gguf(portable: bool | None = None) -> ModuleType:
+    """The GGUF kernel (``csrc/linear_gguf.cpp``), built on first use. Native GGUF models need it,
+    so a failed build raises ``UnsupportedModelError`` naming ``--quantize none``."""
+    from specdecode.errors import UnsupportedModelError
+
+    flags = gguf_flags(portable)
+    if "-mavx2" not in flags and portable is None:
+        print("specdecode: this CPU lacks AVX2/FMA; GGUF models run on the portable kernel (slower)",
+              file=sys.stderr)
+
+    def failed(reason: str) -> None:
+        raise UnsupportedModelError(f"the native GGUF kernel is unavailable: {reason}; "
+                                    "run the model dequantized with --quantize none")
+
+    return _build(GGUF_SOURCE, "linear_gguf", flags, failed)
 
 
 def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType | None:

@@ -1,0 +1,435 @@
+// GGUF-quantized linear layers run as shipped: y[n, out] = x[n, in] . W[out, in]^T with W in its
+// GGUF block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), never dequantized.
+//
+// Why by hand: llama.cpp's kernels compute one activation row per weight pass, and torch has no
+// k-quant matmul at all. Speculative decoding verifies K+1 rows at once, so here each weight
+// block is decoded once per call and applied to every row, which makes a verify of many rows
+// cost little more than one.
+//
+// Exactness: activations are quantized per row (int8, one float scale per block: 256 inputs for
+// the k-quants like llama.cpp's Q8_K, 32 for the others like its Q8_0), so a row's integers never
+// depend on other rows. Within a block every product is summed in int32, which is exact in any
+// order. Floats enter once per block, in a fixed sequence per (row, output): for the k-quants a
+// scalar FMA chain over super-blocks; for the 32-blocks an 8-lane FMA chain whose lane k holds the
+// integer sum of the block's bytes 4k..4k+3, reduced by ``reduce8``'s fixed tree. So a row gets
+// the same bits alone and among any rows at any position, and the AVX2 build and the portable
+// build (plain C++, for CPUs without AVX2) give the same bits as each other.
+//
+// Weight planes (made losslessly from the GGUF blocks by ``gguf_native.py``), row-major per output:
+//   Q4_K: q [nb*128] nibbles as in GGUF, sc [nb*8], mn [nb*16] (each min twice), d, dm [nb] float
+//   Q5_K: as Q4_K plus qh [nb*32];  Q6_K: q = ql [nb*128], qh [nb*64], sc [nb*16] int8, d [nb]
+//   Q4_0/Q4_1: q [nb*16], d [nb] (dm [nb]: Q4_1's min);  Q5_0/Q5_1: as those plus qh [nb*4]
+//   Q8_0: q [nb*32] int8, d [nb].  (nb: blocks per row of 256 or 32 inputs.)
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+bool is_k(int t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+int64_t block_of(int t) { return is_k(t) ? 256 : 32; }
+
+struct Part {
+    int type = 0;
+    int64_t out = 0, in = 0, nb = 0;
+    const uint8_t *q = nullptr, *qh = nullptr, *sc = nullptr, *mn = nullptr;
+    const float *d = nullptr, *dm = nullptr;
+};
+
+// Quantized activations of n rows in blocks of ``block`` inputs: int8 values in [-127, 127], one
+// float scale per block, and integer sums per 16 inputs (k-quants) or per block (32-blocks).
+struct Acts {
+    int64_t n = 0, in = 0, block = 0, nb = 0, sums = 0;
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int16_t> bs;
+    const int8_t* row(int64_t r) const { return q.data() + r * in; }
+};
+
+Acts quantize(const float* x, int64_t n, int64_t in, int64_t block) {
+    Acts a;
+    a.n = n, a.in = in, a.block = block, a.nb = in / block, a.sums = block == 256 ? 16 : 1;
+    a.q.resize(n * in), a.d.resize(n * a.nb), a.bs.resize(n * a.nb * a.sums);
+    at::parallel_for(0, n * a.nb, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const float* xb = x + i * block;
+            int8_t* qb = a.q.data() + i * block;
+            float amax = 0.f;
+            for (int64_t k = 0; k < block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int64_t k = 0; k < block; ++k)
+                qb[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[k] * inv), -127.f, 127.f));
+            a.d[i] = amax / 127.f;
+            const int64_t per = block / a.sums;
+            for (int64_t s = 0; s < a.sums; ++s) {
+                int sum = 0;
+                for (int64_t k = 0; k < per; ++k) sum += qb[s * per + k];
+                a.bs[i * a.sums + s] = static_cast<int16_t>(sum);
+            }
+        }
+    });
+    return a;
+}
+
+// The float steps, shared by both builds so they round identically.
+inline float k_step(float acc, float d, float dm, float xd, int32_t isum, int32_t msum) {
+    acc = std::fma(d * xd, static_cast<float>(isum), acc);
+    return dm != 0.f ? std::fma(-(dm * xd), static_cast<float>(msum), acc) : acc;
+}
+
+inline float reduce8(const float* f) { return ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7])); }
+
+// ---- Portable build: decode a block to integers, then plain loops. ----------------------------
+
+// A k-quant super-block as 256 unsigned values and per-16 scales / mins (Q6_K: value - 32 later).
+void decode_k(const Part& w, int64_t j, int64_t b, uint8_t* v, int16_t* sc16, int16_t* mn16) {
+    const int64_t i = j * w.nb + b;
+    if (w.type == Q6_K) {
+        const uint8_t* ql = w.q + i * 128;
+        const uint8_t* qh = w.qh + i * 64;
+        for (int h = 0; h < 2; ++h)
+            for (int l = 0; l < 32; ++l) {
+                const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + 32 + l], hb = qh[32 * h + l];
+                v[128 * h + l] = (lo0 & 15) | ((hb & 3) << 4);
+                v[128 * h + 32 + l] = (lo1 & 15) | (((hb >> 2) & 3) << 4);
+                v[128 * h + 64 + l] = (lo0 >> 4) | (((hb >> 4) & 3) << 4);
+                v[128 * h + 96 + l] = (lo1 >> 4) | (((hb >> 6) & 3) << 4);
+            }
+        for (int g = 0; g < 16; ++g) sc16[g] = static_cast<int8_t>(w.sc[i * 16 + g]), mn16[g] = 32 * sc16[g];
+        return;
+    }
+    const uint8_t* qs = w.q + i * 128;
+    for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+            uint8_t lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+            if (w.type == Q5_K) {
+                const uint8_t hb = w.qh[i * 32 + l];
+                lo |= ((hb >> (2 * c)) & 1) << 4, hi |= ((hb >> (2 * c + 1)) & 1) << 4;
+            }
+            v[64 * c + l] = lo, v[64 * c + 32 + l] = hi;
+        }
+    for (int g = 0; g < 16; ++g) sc16[g] = w.sc[i * 8 + g / 2], mn16[g] = w.mn[i * 16 + g];
+}
+
+// A 32-block as signed values and its min flag (Q4_1 / Q5_1 keep unsigned values and a min).
+void decode_32(const Part& w, int64_t j, int64_t b, int8_t* v) {
+    const int64_t i = j * w.nb + b;
+    if (w.type == Q8_0) {
+        std::memcpy(v, w.q + i * 32, 32);
+        return;
+    }
+    const uint8_t* qs = w.q + i * 16;
+    uint32_t hbits = 0;
+    if (w.type == Q5_0 || w.type == Q5_1) std::memcpy(&hbits, w.qh + i * 4, 4);
+    const int off = w.type == Q4_0 ? 8 : w.type == Q5_0 ? 16 : 0;
+    for (int l = 0; l < 16; ++l) {
+        v[l] = static_cast<int8_t>((qs[l] & 15) + (((hbits >> l) & 1) << 4) - off);
+        v[l + 16] = static_cast<int8_t>((qs[l] >> 4) + (((hbits >> (l + 16)) & 1) << 4) - off);
+    }
+}
+
+void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* acc) {
+    uint8_t v[256];
+    int16_t sc16[16], mn16[16];
+    for (int64_t b = 0; b < w.nb; ++b) {
+        decode_k(w, j, b, v, sc16, mn16);
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+            const int8_t* x = a.row(r) + b * 256;
+            const int16_t* bs = a.bs.data() + (r * a.nb + b) * 16;
+            int32_t isum = 0, msum = 0;
+            for (int g = 0; g < 16; ++g) {
+                int32_t s = 0;
+                for (int k = 0; k < 16; ++k) s += int32_t(v[16 * g + k]) * x[16 * g + k];
+                isum += sc16[g] * s, msum += mn16[g] * bs[g];
+            }
+            const float xd = a.d[r * a.nb + b];
+            acc[r - r0] = w.type == Q6_K ? k_step(acc[r - r0], w.d[j * w.nb + b], 0.f, xd, isum - msum, 0)
+                                         : k_step(acc[r - r0], w.d[j * w.nb + b], w.dm[j * w.nb + b], xd, isum, msum);
+        }
+    }
+}
+
+void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* lanes, float* macc) {
+    int8_t v[32];
+    for (int64_t b = 0; b < w.nb; ++b) {
+        decode_32(w, j, b, v);
+        const float dw = w.d[j * w.nb + b];
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+            const int8_t* x = a.row(r) + b * 32;
+            const float xd = a.d[r * a.nb + b];
+            float* f = lanes + (r - r0) * 8;
+            for (int k = 0; k < 8; ++k) {
+                int32_t s = 0;
+                for (int e = 4 * k; e < 4 * k + 4; ++e) s += int32_t(v[e]) * x[e];
+                f[k] = std::fma(static_cast<float>(s), dw * xd, f[k]);
+            }
+            if (w.dm) macc[r - r0] = std::fma(w.dm[j * w.nb + b] * xd, static_cast<float>(a.bs[r * a.nb + b]), macc[r - r0]);
+        }
+    }
+}
+
+#if defined(__AVX2__)
+// ---- AVX2 build: decode each block into registers once, then one multiply chain per row. -----
+
+constexpr int RT = 4;  // rows per register tile
+
+inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// Sum over the 16 per-16 groups of scale16[g] * bsums[g], in int32.
+inline int32_t dot16(__m256i scale16, const int16_t* bs) {
+    return hsum_i32(_mm256_madd_epi16(scale16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs))));
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// One super-block of a k-quant for R rows: 8 groups of 32 unsigned values, each with its int16
+// scales (Q6_K: two per group), summed as scale * (value . x) in int32 lanes.
+template <int R>
+inline void block_k(const Part& w, int64_t j, int64_t b, const Acts& a, int64_t r0, float* acc) {
+    const int64_t i = j * w.nb + b;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256i v[8], s[8];
+    __m256i mscale;
+    if (w.type == Q6_K) {
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16));
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = load32(w.q + i * 128 + 64 * h), l1 = load32(w.q + i * 128 + 64 * h + 32);
+            const __m256i hb = load32(w.qh + i * 64 + 32 * h), m3 = _mm256_set1_epi8(3);
+            v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+            v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
+            v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
+            v[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+        }
+        for (int g = 0; g < 8; ++g) {  // lanes 0-7: scale 2g, lanes 8-15: scale 2g+1
+            const __m128i pick = _mm_setr_epi8(2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1,
+                                               2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+            s[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+        }
+        mscale = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5);  // 32 * scale per 16
+    } else {
+        const __m256i hb = w.type == Q5_K ? load32(w.qh + i * 32) : _mm256_setzero_si256();
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i q = load32(w.q + i * 128 + 32 * c);
+            v[2 * c] = _mm256_and_si256(q, m4);
+            v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (w.type == Q5_K) {
+                v[2 * c] = _mm256_or_si256(v[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+                v[2 * c + 1] = _mm256_or_si256(v[2 * c + 1],
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+            }
+        }
+        for (int g = 0; g < 8; ++g) s[g] = _mm256_set1_epi16(w.sc[i * 8 + g]);
+        mscale = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)));
+    }
+    const float dw = w.d[i], dm = w.type == Q6_K ? 0.f : w.dm[i];
+    for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.row(r0 + r) + b * 256;
+        __m256i sum = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g)
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v[g], load32(x + 32 * g)), s[g]));
+        const int32_t isum = hsum_i32(sum);
+        const int32_t msum = dot16(mscale, a.bs.data() + ((r0 + r) * a.nb + b) * 16);
+        const float xd = a.d[(r0 + r) * a.nb + b];
+        acc[r] = w.type == Q6_K ? k_step(acc[r], dw, 0.f, xd, isum - msum, 0) : k_step(acc[r], dw, dm, xd, isum, msum);
+    }
+}
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set.
+inline __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i mask = _mm256_set1_epi64x(0x8040201008040201);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+}
+
+inline __m256i decode_32_avx2(const Part& w, int64_t i) {
+    if (w.type == Q8_0) return load32(w.q + i * 32);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + i * 16));
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    if (w.type == Q5_0 || w.type == Q5_1) {
+        uint32_t hbits;
+        std::memcpy(&hbits, w.qh + i * 4, 4);
+        v = _mm256_or_si256(v, _mm256_and_si256(bits_to_bytes(hbits), _mm256_set1_epi8(16)));
+    }
+    const int off = w.type == Q4_0 ? 8 : w.type == Q5_0 ? 16 : 0;
+    return off ? _mm256_sub_epi8(v, _mm256_set1_epi8(static_cast<char>(off))) : v;
+}
+
+template <int R>
+inline void block_32(const Part& w, int64_t j, int64_t b, const Acts& a, int64_t r0, __m256* lanes, float* macc) {
+    const int64_t i = j * w.nb + b;
+    const __m256i v = decode_32_avx2(w, i);
+    const __m256i vabs = _mm256_sign_epi8(v, v), ones = _mm256_set1_epi16(1);
+    const float dw = w.d[i];
+    for (int r = 0; r < R; ++r) {
+        const int64_t ab = (r0 + r) * a.nb + b;
+        const __m256i x = _mm256_sign_epi8(load32(a.row(r0 + r) + b * 32), v);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vabs, x), ones);
+        const float xd = a.d[ab];
+        lanes[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd), lanes[r]);
+        if (w.dm) macc[r] = std::fma(w.dm[i] * xd, static_cast<float>(a.bs[ab]), macc[r]);
+    }
+}
+
+template <int R>
+void tile(const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t ystride, int64_t col) {
+    if (is_k(w.type)) {
+        float acc[R] = {};
+        for (int64_t b = 0; b < w.nb; ++b) block_k<R>(w, j, b, a, r0, acc);
+        for (int r = 0; r < R; ++r) y[(r0 + r) * ystride + col] = acc[r];
+        return;
+    }
+    __m256 lanes[R];
+    float macc[R] = {};
+    for (int r = 0; r < R; ++r) lanes[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) block_32<R>(w, j, b, a, r0, lanes, macc);
+    for (int r = 0; r < R; ++r) {
+        alignas(32) float f[8];
+        _mm256_store_ps(f, lanes[r]);
+        y[(r0 + r) * ystride + col] = reduce8(f) + macc[r];
+    }
+}
+
+template <int R>
+void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t ys, int64_t col) {
+    if constexpr (R > 0) {
+        if (rows == R) return tile<R>(w, a, j, r0, y, ys, col);
+        tile_rest<R - 1>(rows, w, a, j, r0, y, ys, col);
+    }
+}
+
+void output_rows(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystride, int64_t col) {
+    int64_t r = 0;
+    for (; r + RT <= a.n; r += RT) tile<RT>(w, a, j, r, y, ystride, col);
+    tile_rest<RT - 1>(a.n - r, w, a, j, r, y, ystride, col);
+}
+#else
+constexpr int RT = 8;
+
+void output_rows(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystride, int64_t col) {
+    for (int64_t r0 = 0; r0 < a.n; r0 += RT) {
+        const int64_t rows = std::min<int64_t>(RT, a.n - r0);
+        if (is_k(w.type)) {
+            float acc[RT] = {};
+            rows_k_portable(w, a, j, r0, rows, acc);
+            for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = acc[r];
+        } else {
+            float lanes[RT * 8] = {}, macc[RT] = {};
+            rows_32_portable(w, a, j, r0, rows, lanes, macc);
+            for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = reduce8(lanes + 8 * r) + macc[r];
+        }
+    }
+}
+#endif
+
+const uint8_t* bytes(const torch::Tensor& t) { return t.numel() ? static_cast<const uint8_t*>(t.data_ptr()) : nullptr; }
+const float* floats(const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
+
+Part make_part(int type, int64_t out, int64_t in, const std::vector<torch::Tensor>& p) {
+    TORCH_CHECK(p.size() == 6, "a part has six planes: q, qh, sc, mn, d, dm");
+    for (const auto& t : p) TORCH_CHECK(!t.numel() || t.is_contiguous(), "weight planes must be contiguous");
+    TORCH_CHECK(in % block_of(type) == 0, "input size ", in, " is not a whole number of blocks of type ", type);
+    Part w;
+    w.type = type, w.out = out, w.in = in, w.nb = in / block_of(type);
+    w.q = bytes(p[0]), w.qh = bytes(p[1]), w.sc = bytes(p[2]), w.mn = bytes(p[3]), w.d = floats(p[4]), w.dm = floats(p[5]);
+    TORCH_CHECK(p[4].numel() == out * w.nb, "need one scale per block");
+    return w;
+}
+
+}  // namespace
+
+// y [n, sum of parts' out] = x [n, in] @ concat(parts).T; each part: (type, out, planes).
+torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<int64_t, int64_t, std::vector<torch::Tensor>>>& parts) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [n, in] float32");
+    const int64_t n = x.size(0), in = x.size(1);
+    std::vector<Part> ws;
+    int64_t total = 0;
+    bool need_k = false, need_32 = false;
+    for (const auto& [type, out, planes] : parts) {
+        ws.push_back(make_part(static_cast<int>(type), out, in, planes));
+        total += out;
+        (is_k(static_cast<int>(type)) ? need_k : need_32) = true;
+    }
+    auto y = torch::empty({n, total}, x.options());
+    if (n == 0) return y;
+    const Acts ak = need_k ? quantize(x.data_ptr<float>(), n, in, 256) : Acts{};
+    const Acts a32 = need_32 ? quantize(x.data_ptr<float>(), n, in, 32) : Acts{};
+    std::vector<int64_t> starts{0};
+    for (const auto& w : ws) starts.push_back(starts.back() + w.out);
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, total, 8, [&](int64_t begin, int64_t end) {
+        size_t p = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+        for (int64_t col = begin; col < end; ++col) {
+            while (col >= starts[p + 1]) ++p;
+            const Part& w = ws[p];
+            output_rows(w, is_k(w.type) ? ak : a32, col - starts[p], yp, total, col);
+        }
+    });
+    return y;
+}
+
+// Rows ``ids`` of one part as float32 [len(ids), in]: embedding lookups of a quantized table.
+torch::Tensor dequantize_rows(int64_t type, int64_t out, int64_t in, const std::vector<torch::Tensor>& planes,
+                              const torch::Tensor& ids) {
+    const Part w = make_part(static_cast<int>(type), out, in, planes);
+    TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids must be a 1-D int64 tensor");
+    auto y = torch::empty({ids.size(0), in}, torch::kFloat32);
+    const int64_t* id = ids.contiguous().data_ptr<int64_t>();
+    for (int64_t r = 0; r < ids.size(0); ++r) {
+        const int64_t j = id[r];
+        TORCH_CHECK(0 <= j && j < out, "row ", j, " out of range");
+        float* yr = y.data_ptr<float>() + r * in;
+        for (int64_t b = 0; b < w.nb; ++b) {
+            const int64_t i = j * w.nb + b;
+            if (is_k(w.type)) {
+                uint8_t v[256];
+                int16_t sc16[16], mn16[16];
+                decode_k(w, j, b, v, sc16, mn16);
+                for (int k = 0; k < 256; ++k) {
+                    const int g = k / 16;
+                    yr[b * 256 + k] = w.type == Q6_K ? w.d[i] * float(sc16[g]) * float(int(v[k]) - 32)
+                                                     : w.d[i] * float(sc16[g]) * float(v[k]) - w.dm[i] * float(mn16[g]);
+                }
+            } else {
+                int8_t v[32];
+                decode_32(w, j, b, v);
+                for (int k = 0; k < 32; ++k) yr[b * 32 + k] = w.d[i] * float(v[k]) + (w.dm ? w.dm[i] : 0.f);
+            }
+        }
+    }
+    return y;
+}
+
+bool avx2() {
+#if defined(__AVX2__)
+    return true;
+#else
+    return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("linear_gguf", &linear_gguf, "batch-invariant x @ W.T with W in GGUF block formats, as (type, out, planes) parts");
+    m.def("dequantize_rows", &dequantize_rows, "float rows of a GGUF-quantized weight");
+    m.def("avx2", &avx2, "whether this build uses AVX2 (else the portable C++ build)");
+}

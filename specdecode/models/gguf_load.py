@@ -1,0 +1,126 @@
+"""Load a GGUF model natively: the decoder's weights as ``GGUFWeight`` planes, not float copies.
+
+``native_weights(sources)`` repacks the GGUF once into ``$SPECDECODE_HOME/native/`` (see
+``gguf_native.py``) and memory-maps the result on every later load; ``decoder_weights`` then
+arranges them the way ``Decoder`` wants (q|k|v and gate|up as one multi-part linear each). The
+tensor names and shapes are checked by the same plan as the float conversion, so both forms
+describe the same model.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from specdecode.errors import UnsupportedModelError
+from specdecode.models import gguf_convert, gguf_native
+from specdecode.models.config import ModelConfig
+from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
+
+NativeWeights = dict[str, "Tensor | GGUFWeight"]
+
+
+def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeights:
+    """HF-named weights of the GGUF in ``sources`` (one file, or byte parts in order): quantized
+    matrices as ``GGUFWeight``, the rest float32. Repacked on first use, then memory-mapped."""
+    from specdecode.models.catalog import specdecode_home
+
+    sources = [Path(s) for s in sources]
+    cached = gguf_native.cache_path(sources, specdecode_home())
+    if not cached.is_file():
+        _build(sources, cached, progress)
+    return _read(cached)
+
+
+def _build(sources: list[Path], cached: Path, progress: bool) -> None:
+    joined = cached.with_name(f".{cached.stem}.{id(sources)}.joined.gguf")
+    try:
+        gguf_file = sources[0] if len(sources) == 1 else gguf_convert._join_parts(sources, joined, progress)
+        reader = gguf_convert._open_reader(gguf_file)
+        meta = gguf_convert._metadata(reader, include_arrays=False)
+        arch_name = str(meta.get("general.architecture"))
+        arch = gguf_convert._ARCHS.get(arch_name)
+        if arch is None:
+            raise UnsupportedModelError(f"GGUF architecture {arch_name!r} is not supported")
+        tensors = {t.name: t for t in reader.tensors}
+        config = gguf_convert.build_config(meta, arch_name, tied="output.weight" not in tensors)
+        jobs = gguf_convert._plan_tensors(tensors, config, arch)
+        for job in jobs:
+            if len(job.shape) == 2:
+                gguf_native.check_type(job.tensor.name, job.tensor.tensor_type.name, job.shape[1])
+        gguf_native.write_atomic(cached, _arrays(jobs, progress), {"repack_version": str(gguf_native.REPACK_VERSION)})
+    finally:
+        joined.unlink(missing_ok=True)
+
+
+def _arrays(jobs: list, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every plane of every tensor, one tensor in memory at a time."""
+    from tqdm import tqdm
+
+    for job in tqdm(jobs, desc="repacking GGUF", unit="tensor", file=sys.stderr, disable=not progress):
+        type_name = job.tensor.tensor_type.name
+        if len(job.shape) == 1 or type_name in gguf_native.FLOAT_TYPES:
+            yield f"{job.hf_name}", gguf_convert.dequantize_tensor(job.tensor, job.shape, job.unpermute_heads)
+            continue
+        out, inp = job.shape
+        planes = gguf_native.repack(np.asarray(job.tensor.data), type_name, out, inp)
+        if job.unpermute_heads is not None:  # rows are quantized independently: permuting them is exact
+            planes = {k: gguf_convert.unpermute_qk(v, job.unpermute_heads) for k, v in planes.items()}
+        yield f"{job.hf_name}@{type_name}@{out}@{inp}", np.zeros(0, np.uint8)  # the weight's record
+        for plane, array in planes.items():
+            yield f"{job.hf_name}.{plane}", np.ascontiguousarray(array)
+
+
+def _read(cached: Path) -> NativeWeights:
+    out: NativeWeights = {}
+    planes: dict[str, dict[str, Tensor]] = {}
+    records: dict[str, tuple[str, int, int]] = {}
+    with safe_open(cached, framework="pt") as f:
+        for name in f.keys():
+            if name.startswith("__pad"):
+                continue
+            if "@" in name:
+                hf, type_name, o, i = name.split("@")
+                records[hf] = (type_name, int(o), int(i))
+            elif name.rsplit(".", 1)[-1] in gguf_native.PLANES and name.rsplit(".", 1)[0].endswith("weight"):
+                hf, plane = name.rsplit(".", 1)
+                planes.setdefault(hf, {})[plane] = f.get_tensor(name)
+            else:
+                out[name] = f.get_tensor(name)
+    for hf, (type_name, o, i) in records.items():
+        out[hf] = gguf_native.weight_from_planes(type_name, o, i, planes[hf])
+    return out
+
+
+def decoder_weights(weights: NativeWeights, config: ModelConfig) -> dict[str, object]:
+    """The decoder's packed dict (see ``packed.pack``) with ``GGUFLinear`` matrices."""
+
+    def native(name: str) -> GGUFWeight:
+        w = weights[name]
+        if not isinstance(w, GGUFWeight):
+            raise UnsupportedModelError(f"{name} is a float tensor; native mode runs quantized matrices only "
+                                        "(use --quantize none)")
+        return w
+
+    out: dict[str, object] = {"embed": native("model.embed_tokens.weight"), "norm": weights["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        out["lm_head"] = GGUFLinear((native("lm_head.weight"),))
+    else:
+        out["lm_head"] = GGUFLinear((out["embed"],))
+    for i in range(config.num_layers):
+        p, a, m, q = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        out[q + "in_norm"] = weights[p + "input_layernorm.weight"]
+        out[q + "post_norm"] = weights[p + "post_attention_layernorm.weight"]
+        out[q + "qkv"] = GGUFLinear(tuple(native(f"{a}{n}_proj.weight") for n in "qkv"))
+        if f"{a}q_proj.bias" in weights:
+            out[q + "qkv_bias"] = torch.cat([weights[f"{a}{n}_proj.bias"] for n in "qkv"])
+        out[q + "o"] = GGUFLinear((native(a + "o_proj.weight"),))
+        out[q + "gate_up"] = GGUFLinear((native(m + "gate_proj.weight"), native(m + "up_proj.weight")))
+        out[q + "down"] = GGUFLinear((native(m + "down_proj.weight"),))
+    return out
