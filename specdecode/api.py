@@ -29,6 +29,7 @@ from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, VocabularyMismatchError
 from specdecode.models.catalog import resolve_model
+from specdecode.models.gguf_convert import MARKER_NAME
 from specdecode.models import quant
 from specdecode.models.decoder import Decoder
 from specdecode.models.layer_choice import default_skip, load_skip
@@ -74,9 +75,11 @@ class LLM:
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
         also drafts from each prompt and from earlier requests without one.
         ``lookahead_*``: window, n-gram size and verified candidates of ``method="lookahead"``.
-        ``quantize``: "int8" gives the *target* per-row int8 weights (float32 only): about half
-        the time per token, but a slightly different model; every method is then exact with
-        respect to that quantized target, which is what ``method="none"`` runs."""
+        ``quantize``: how the *target* runs. "native" (the default for a model converted from
+        GGUF, every catalog model) runs the GGUF's quantized weights as shipped through integer
+        kernels, activations quantized per row; "none" (the default otherwise) runs float weights
+        dequantized once; "int8" gives float32 weights per-row int8. Each is a slightly different
+        model; every method is exact with respect to the one chosen, which ``method="none"`` runs."""
         self.spec = SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max)
         if not 0.0 <= draft_confidence < 1.0:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
@@ -92,7 +95,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(path)
         # Checked before the weights load, so a wrong store fails in a second, not a minute.
         self.datastore = Datastore.open(datastore, tokenizer=self.tokenizer) if datastore else None
-        self.quantize = _target_quantize(quantize, dtype)
+        self.quantize = _target_quantize(quantize, dtype, path)
         self.target = Decoder.from_dir(path, dtype, quantize=self.quantize)
         self.engine = Engine(self.target, self.tokenizer, max_seq_len)
         self.draft_model: Decoder | None = None
@@ -227,12 +230,15 @@ class LLM:
         return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k, self.adaptive)
 
 
-def _target_quantize(mode: str | None, dtype: str) -> str | None:
-    """The target's quantization: None for None/"none"; "int8" needs float32 weights to quantize."""
-    if mode in (None, "none"):
+def _target_quantize(mode: str | None, dtype: str, path: Path) -> str | None:
+    """The target's quantization: None for "none"; for None, "native" where ``path`` came from a
+    GGUF file and ``dtype`` is float32, else None; "int8" needs float32 weights to quantize."""
+    if mode is None:
+        return "native" if dtype == "float32" and (path / MARKER_NAME).is_file() else None
+    if mode == "none":
         return None
-    if mode not in quant.QUANTIZE_MODES:
-        raise InvalidConfigError(f"quantize must be none or one of {', '.join(quant.QUANTIZE_MODES)}, got {mode!r}")
+    if mode not in quant.QUANTIZE_MODES + ("native",):
+        raise InvalidConfigError(f"quantize must be native, none or {', '.join(quant.QUANTIZE_MODES)}, got {mode!r}")
     if dtype != "float32":
         raise InvalidConfigError(f"quantize={mode!r} quantizes float32 weights; use dtype float32, not {dtype!r}")
     return mode

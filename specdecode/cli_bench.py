@@ -119,11 +119,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     if args.repeat < 1:
         raise InvalidConfigError(f"--repeat must be >= 1, got {args.repeat}")
-    quantize = getattr(args, "quantize", "none")
-    if args.endpoint and quantize != "none":
+    quantize = getattr(args, "quantize", None)
+    if args.endpoint and quantize is not None:
         raise InvalidConfigError("--quantize applies to the local target; with --endpoint, start the server "
                                  "with --quantize instead")
-    if args.peers and quantize != "none":
+    if args.peers and quantize == "int8":
         raise InvalidConfigError("--peers runs transformers on the float weights, so it cannot share an int8 "
                                  "target's weights or outputs; drop --quantize to compare with it")
     if args.endpoint and args.peers:
@@ -181,6 +181,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
               draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, quantize=args.quantize,
               **method_options(args, [r.method for r in plan.runs]))
+    args.quantize = llm.quantize or "none"  # what ran: reports and the reproducing command name it
     first_ids = _check_lengths(llm, plan)
     contestants = our_contestants(llm, plan.runs)
     peer_settings: dict[str, Any] = {}

@@ -33,11 +33,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def add_quantize_option(p: argparse.ArgumentParser) -> None:
     """``--quantize`` for the target (generate, serve, bench)."""
-    p.add_argument("--quantize", choices=("none", "int8"), default="none",
-                   help="target weights: int8 (per-row scales, float activations) takes about half "
-                        "the time per token but is a slightly different model; every method is then "
-                        "exact with respect to the int8 target (what --method none runs); float32 "
-                        "only (default: %(default)s)")
+    p.add_argument("--quantize", choices=("native", "none", "int8"), default=None,
+                   help="how the target's weights run: native runs a GGUF model's quantized weights as "
+                        "shipped through integer kernels (the default for GGUF sources, every catalog "
+                        "model); none runs them dequantized to float (the default for HF folders); int8 "
+                        "gives float32 weights per-row int8 scales. Each is a slightly different model, "
+                        "and every method is exact with respect to the one chosen (what --method none runs)")
 
 
 def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:

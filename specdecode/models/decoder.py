@@ -22,6 +22,7 @@ from specdecode.cache import KVCache
 from specdecode.errors import InvalidConfigError
 from specdecode.models import kernels, quant
 from specdecode.models.config import ModelConfig
+from specdecode.models.gguf_native import GGUFWeight, gguf_sources
 from specdecode.models.packed import load_packed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -82,11 +83,29 @@ class Decoder:
         native: bool | None = None,
         quantize: str | None = None,
     ) -> "Decoder":
-        """Load an HF-format folder (config.json + *.safetensors) through the packed-layout cache."""
+        """Load an HF-format folder (config.json + *.safetensors) through the packed-layout cache;
+        with ``quantize="native"``, the GGUF the folder was converted from, as shipped."""
         config = ModelConfig.from_dir(Path(path))
         torch_dtype = DTYPES[dtype]
+        if quantize == "native":
+            return cls.from_gguf(gguf_sources(Path(path)), config, dtype, batch_invariant)
         packed = load_packed(Path(path), config, torch_dtype)
         return cls(config, packed, torch_dtype, batch_invariant, native, quantize)
+
+    @classmethod
+    def from_gguf(cls, sources: Sequence[Path], config: ModelConfig, dtype: str = "float32",
+                  batch_invariant: bool = True, progress: bool = True) -> "Decoder":
+        """The GGUF in ``sources`` (a file, or byte parts in order) run natively: its quantized
+        matrices through ``kernels.linear_gguf`` (batch-invariant for every row count, prefills
+        included), activations and attention in float32."""
+        from specdecode.models import gguf_load
+
+        if dtype != "float32":
+            raise InvalidConfigError(f"native GGUF weights compute in float32 activations, not {dtype!r}")
+        packed = gguf_load.decoder_weights(gguf_load.native_weights(sources, progress), config)
+        model = cls(config, packed, torch.float32, batch_invariant)
+        model._linear = kernels.linear_gguf
+        return model
 
     def _quantize(self, mode: str) -> None:
         """int8 (or, for a draft, int4) weights. A batch-invariant model (a target) gets per-row
@@ -163,7 +182,7 @@ class Decoder:
             cos, sin = self.cos[positions], self.sin[positions]
         # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path.
         linear = self._linear if len(segments) == 1 else self._rows_linear
-        x = self.embed[tokens]  # [N, D]
+        x = self.embed.rows(tokens) if isinstance(self.embed, GGUFWeight) else self.embed[tokens]  # [N, D]
         for i, layer in enumerate(self.layers):
             x = self._layer(x, layer, i, views, cos, sin, linear)
         if last_only:
@@ -200,7 +219,7 @@ class Decoder:
         invariant kernels however many rows they add up to: the native kernel takes any row
         count in one pass over the weights, the portable path any count in 8-row calls. A
         draft's fast path needs no invariance."""
-        if self._linear in (kernels.linear_native, kernels.linear_int8, kernels.linear_portable):
+        if self._linear in (kernels.linear_native, kernels.linear_int8, kernels.linear_portable, kernels.linear_gguf):
             return self._linear(x, w, invariant=True)
         return self._linear(x, w)
 

@@ -9,6 +9,7 @@ describe the same model.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,11 +40,12 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
 
 
 def _build(sources: list[Path], cached: Path, progress: bool) -> None:
-    joined = cached.with_name(f".{cached.stem}.{id(sources)}.joined.gguf")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    joined = cached.with_name(f".{cached.stem}.{os.getpid()}.joined.gguf")
     try:
         gguf_file = sources[0] if len(sources) == 1 else gguf_convert._join_parts(sources, joined, progress)
         reader = gguf_convert._open_reader(gguf_file)
-        meta = gguf_convert._metadata(reader, include_arrays=False)
+        meta = gguf_convert._metadata(reader, include_arrays=True)
         arch_name = str(meta.get("general.architecture"))
         arch = gguf_convert._ARCHS.get(arch_name)
         if arch is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,5 +202,18 @@ def _stream_safetensors(path: Path, arrays: list[tuple[str, np.ndarray]], metada
         raise OSError(f"short write of {path}")
 
 
-def progress_note(message: str) -> None:
-    print(f"specdecode: {message}", file=sys.stderr)
+def gguf_sources(folder: Path) -> list[Path]:
+    """The GGUF file(s) a converted model folder came from (its conversion marker lists them)."""
+    from specdecode.models.gguf_convert import MARKER_NAME
+
+    marker = Path(folder) / MARKER_NAME
+    try:
+        sources = [Path(s) for s in json.loads(marker.read_text())["sources"]]
+    except (OSError, ValueError, KeyError):
+        raise UnsupportedModelError(f"{folder} was not converted from a GGUF file, so it has no native form; "
+                                    "use --quantize none (or int8)") from None
+    missing = [s for s in sources if not s.is_file()]
+    if missing:
+        raise UnsupportedModelError(f"the GGUF source of {folder} is gone ({missing[0]}); reinstall it or use "
+                                    "--quantize none")
+    return sources

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from specdecode.models.gguf_native import GGUFLinear
     from specdecode.models.quant import Int8Rows
 
 KEY_BLOCK = 128  # keys per attention block; below any BLAS K-blocking, so one block = one pass
@@ -96,6 +97,14 @@ def linear_int8(x: Tensor, w: "Int8Rows", invariant: bool = False) -> Tensor:
     if kernel is None:
         return linear_portable(x, w.dequantize(), invariant)
     return kernel.linear_rows_int8(x.contiguous(), w.q, w.scale)
+
+
+def linear_gguf(x: Tensor, w: "GGUFLinear", invariant: bool = False) -> Tensor:
+    """``x @ w.T`` for GGUF-quantized weights run as shipped (``csrc/linear_gguf.cpp``): every
+    row count, prefills included, takes the same integer kernel, so ``invariant`` holds anyway."""
+    from specdecode.models import native
+
+    return native.load_gguf().linear_gguf(x.float().contiguous(), w.args)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

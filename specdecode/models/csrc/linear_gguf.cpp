@@ -80,17 +80,13 @@ Acts quantize(const float* x, int64_t n, int64_t in, int64_t block) {
     return a;
 }
 
-// The float steps, shared by both builds so they round identically.
-inline float k_step(float acc, float d, float dm, float xd, int32_t isum, int32_t msum) {
-    acc = std::fma(d * xd, static_cast<float>(isum), acc);
-    return dm != 0.f ? std::fma(-(dm * xd), static_cast<float>(msum), acc) : acc;
-}
-
 inline float reduce8(const float* f) { return ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7])); }
 
-// ---- Portable build: decode a block to integers, then plain loops. ----------------------------
+// ---- Decoding, shared by the portable build and ``dequantize_rows``. -------------------------
 
-// A k-quant super-block as 256 unsigned values and per-16 scales / mins (Q6_K: value - 32 later).
+// A k-quant super-block as 256 unsigned values with one scale and one min term per 16 values:
+// value . x summed per 16 times sc16, minus mn16 times the activations' sum per 16 (Q6_K: value - 32
+// is folded into mn16 = 32 * scale).
 void decode_k(const Part& w, int64_t j, int64_t b, uint8_t* v, int16_t* sc16, int16_t* mn16) {
     const int64_t i = j * w.nb + b;
     if (w.type == Q6_K) {
@@ -120,7 +116,7 @@ void decode_k(const Part& w, int64_t j, int64_t b, uint8_t* v, int16_t* sc16, in
     for (int g = 0; g < 16; ++g) sc16[g] = w.sc[i * 8 + g / 2], mn16[g] = w.mn[i * 16 + g];
 }
 
-// A 32-block as signed values and its min flag (Q4_1 / Q5_1 keep unsigned values and a min).
+// A 32-block as signed values (Q4_1 / Q5_1: unsigned values; their min is the dm plane).
 void decode_32(const Part& w, int64_t j, int64_t b, int8_t* v) {
     const int64_t i = j * w.nb + b;
     if (w.type == Q8_0) {
@@ -137,28 +133,37 @@ void decode_32(const Part& w, int64_t j, int64_t b, int8_t* v) {
     }
 }
 
-void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* acc) {
+// ---- Portable build: the AVX2 build's arithmetic, lane by lane. ------------------------------
+// Lane k (of 8 int32) of a group of 32 products holds bytes 4k..4k+3, as VPMADDUBSW then VPMADDWD
+// leave them; the float accumulators have the same 8 lanes and the same FMA sequence.
+
+void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* f) {
     uint8_t v[256];
     int16_t sc16[16], mn16[16];
     for (int64_t b = 0; b < w.nb; ++b) {
         decode_k(w, j, b, v, sc16, mn16);
+        const float dw = w.d[j * w.nb + b], dm = w.type == Q6_K ? dw : w.dm[j * w.nb + b];
         for (int64_t r = r0; r < r0 + rows; ++r) {
             const int8_t* x = a.row(r) + b * 256;
             const int16_t* bs = a.bs.data() + (r * a.nb + b) * 16;
-            int32_t isum = 0, msum = 0;
-            for (int g = 0; g < 16; ++g) {
-                int32_t s = 0;
-                for (int k = 0; k < 16; ++k) s += int32_t(v[16 * g + k]) * x[16 * g + k];
-                isum += sc16[g] * s, msum += mn16[g] * bs[g];
-            }
             const float xd = a.d[r * a.nb + b];
-            acc[r - r0] = w.type == Q6_K ? k_step(acc[r - r0], w.d[j * w.nb + b], 0.f, xd, isum - msum, 0)
-                                         : k_step(acc[r - r0], w.d[j * w.nb + b], w.dm[j * w.nb + b], xd, isum, msum);
+            float* fr = f + (r - r0) * 8;
+            for (int k = 0; k < 8; ++k) {
+                int32_t lane = 0;
+                for (int g = 0; g < 8; ++g) {
+                    int32_t s = 0;
+                    for (int e = 32 * g + 4 * k; e < 32 * g + 4 * k + 4; ++e) s += int32_t(v[e]) * x[e];
+                    lane += sc16[2 * g + (k >= 4)] * s;
+                }
+                const int32_t mlane = mn16[2 * k] * bs[2 * k] + mn16[2 * k + 1] * bs[2 * k + 1];
+                fr[k] = std::fma(static_cast<float>(lane), dw * xd, fr[k]);
+                fr[k] = std::fma(static_cast<float>(mlane), -(dm * xd), fr[k]);
+            }
         }
     }
 }
 
-void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* lanes, float* macc) {
+void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* f, float* macc) {
     int8_t v[32];
     for (int64_t b = 0; b < w.nb; ++b) {
         decode_32(w, j, b, v);
@@ -166,11 +171,11 @@ void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64
         for (int64_t r = r0; r < r0 + rows; ++r) {
             const int8_t* x = a.row(r) + b * 32;
             const float xd = a.d[r * a.nb + b];
-            float* f = lanes + (r - r0) * 8;
+            float* fr = f + (r - r0) * 8;
             for (int k = 0; k < 8; ++k) {
                 int32_t s = 0;
                 for (int e = 4 * k; e < 4 * k + 4; ++e) s += int32_t(v[e]) * x[e];
-                f[k] = std::fma(static_cast<float>(s), dw * xd, f[k]);
+                fr[k] = std::fma(static_cast<float>(s), dw * xd, fr[k]);
             }
             if (w.dm) macc[r - r0] = std::fma(w.dm[j * w.nb + b] * xd, static_cast<float>(a.bs[r * a.nb + b]), macc[r - r0]);
         }
@@ -178,78 +183,95 @@ void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64
 }
 
 #if defined(__AVX2__)
-// ---- AVX2 build: decode each block into registers once, then one multiply chain per row. -----
+// ---- AVX2 build: each block decoded into registers once, then applied to a tile of rows. -----
 
-constexpr int RT = 4;  // rows per register tile
-
-inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
-    return _mm_cvtsi128_si32(s);
-}
-
-// Sum over the 16 per-16 groups of scale16[g] * bsums[g], in int32.
-inline int32_t dot16(__m256i scale16, const int16_t* bs) {
-    return hsum_i32(_mm256_madd_epi16(scale16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs))));
-}
+#ifndef GGUF_RT
+#define GGUF_RT 4
+#endif
+constexpr int RT = GGUF_RT;  // rows per register tile
+#ifndef GGUF_PF
+#define GGUF_PF 4096
+#endif
+constexpr int64_t PF = GGUF_PF;  // bytes ahead in the values plane to prefetch
 
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// One super-block of a k-quant for R rows: 8 groups of 32 unsigned values, each with its int16
-// scales (Q6_K: two per group), summed as scale * (value . x) in int32 lanes.
-template <int R>
-inline void block_k(const Part& w, int64_t j, int64_t b, const Acts& a, int64_t r0, float* acc) {
-    const int64_t i = j * w.nb + b;
+// Two groups of 32 unsigned values of a k-quant super-block (``c`` = 0..3), their int16 scales
+// and the offsets of their activations within the super-block.
+struct Pair {
+    __m256i va, vb, sa, sb;
+    int xa, xb;
+};
+
+template <int T>
+inline Pair k_pair(const Part& w, int64_t i, int c) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256i v[8], s[8];
-    __m256i mscale;
-    if (w.type == Q6_K) {
+    Pair p;
+    if constexpr (T == Q6_K) {
+        const int h = c >> 1, o = c & 1;  // half of the super-block; which 32 bytes of its ql
+        const __m256i l = load32(w.q + i * 128 + 64 * h + 32 * o), hb = load32(w.qh + i * 64 + 32 * h);
+        const __m256i m3 = _mm256_set1_epi8(3);
+        p.va = _mm256_or_si256(_mm256_and_si256(l, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * o), m3), 4));
+        p.vb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 + 2 * o), m3), 4));
+        const int ga = 4 * h + o, gb = 4 * h + 2 + o;
         const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16));
-        for (int h = 0; h < 2; ++h) {
-            const __m256i l0 = load32(w.q + i * 128 + 64 * h), l1 = load32(w.q + i * 128 + 64 * h + 32);
-            const __m256i hb = load32(w.qh + i * 64 + 32 * h), m3 = _mm256_set1_epi8(3);
-            v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
-            v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
-            v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
-            v[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
-        }
-        for (int g = 0; g < 8; ++g) {  // lanes 0-7: scale 2g, lanes 8-15: scale 2g+1
-            const __m128i pick = _mm_setr_epi8(2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1,
-                                               2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
-            s[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
-        }
-        mscale = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5);  // 32 * scale per 16
+        const auto pick = [&](int g) {  // lanes 0-7: scale 2g, lanes 8-15: scale 2g+1
+            const __m128i idx = _mm_unpacklo_epi64(_mm_set1_epi8(static_cast<char>(2 * g)), _mm_set1_epi8(static_cast<char>(2 * g + 1)));
+            return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, idx));
+        };
+        p.sa = pick(ga), p.sb = pick(gb), p.xa = 32 * ga, p.xb = 32 * gb;
     } else {
-        const __m256i hb = w.type == Q5_K ? load32(w.qh + i * 32) : _mm256_setzero_si256();
-        const __m256i one = _mm256_set1_epi8(1);
+        const __m256i q = load32(w.q + i * 128 + 32 * c);
+        p.va = _mm256_and_si256(q, m4);
+        p.vb = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if constexpr (T == Q5_K) {
+            const __m256i hb = load32(w.qh + i * 32), one = _mm256_set1_epi8(1);
+            p.va = _mm256_or_si256(p.va, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+            p.vb = _mm256_or_si256(p.vb, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+        }
+        p.sa = _mm256_set1_epi16(w.sc[i * 8 + 2 * c]), p.sb = _mm256_set1_epi16(w.sc[i * 8 + 2 * c + 1]);
+        p.xa = 64 * c, p.xb = 64 * c + 32;
+    }
+    return p;
+}
+
+template <int T, int R>
+inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f) {
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = a.row(r0 + r);
+    for (int64_t b = 0; b < w.nb; ++b) {
+        const int64_t i = j * w.nb + b;
+        if constexpr (PF > 0) {
+            _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + PF), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + 64 + PF), _MM_HINT_T0);
+            if constexpr (T != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(w.qh + i * (T == Q6_K ? 64 : 32) + PF / 2), _MM_HINT_T0);
+        }
+        __m256i acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
-            const __m256i q = load32(w.q + i * 128 + 32 * c);
-            v[2 * c] = _mm256_and_si256(q, m4);
-            v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (w.type == Q5_K) {
-                v[2 * c] = _mm256_or_si256(v[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
-                v[2 * c + 1] = _mm256_or_si256(v[2 * c + 1],
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+            const Pair p = k_pair<T>(w, i, c);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* xb = x[r] + b * 256;
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(p.va, load32(xb + p.xa)), p.sa));
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(p.vb, load32(xb + p.xb)), p.sb));
             }
         }
-        for (int g = 0; g < 8; ++g) s[g] = _mm256_set1_epi16(w.sc[i * 8 + g]);
-        mscale = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)));
-    }
-    const float dw = w.d[i], dm = w.type == Q6_K ? 0.f : w.dm[i];
-    for (int r = 0; r < R; ++r) {
-        const int8_t* x = a.row(r0 + r) + b * 256;
-        __m256i sum = _mm256_setzero_si256();
-        for (int g = 0; g < 8; ++g)
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v[g], load32(x + 32 * g)), s[g]));
-        const int32_t isum = hsum_i32(sum);
-        const int32_t msum = dot16(mscale, a.bs.data() + ((r0 + r) * a.nb + b) * 16);
-        const float xd = a.d[(r0 + r) * a.nb + b];
-        acc[r] = w.type == Q6_K ? k_step(acc[r], dw, 0.f, xd, isum - msum, 0) : k_step(acc[r], dw, dm, xd, isum, msum);
+        __m256i mscale;
+        if constexpr (T == Q6_K)
+            mscale = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16))), 5);
+        else
+            mscale = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)));
+        const float dw = w.d[i], dm = T == Q6_K ? dw : w.dm[i];
+        for (int r = 0; r < R; ++r) {
+            const int64_t ab = (r0 + r) * a.nb + b;
+            const float xd = a.d[ab];
+            const __m256i m = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16)));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(dw * xd), f[r]);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(dm * xd)), f[r]);
+        }
     }
 }
 
@@ -261,67 +283,92 @@ inline __m256i bits_to_bytes(uint32_t bits) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
 }
 
-inline __m256i decode_32_avx2(const Part& w, int64_t i) {
-    if (w.type == Q8_0) return load32(w.q + i * 32);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + i * 16));
-    const __m128i m4 = _mm_set1_epi8(15);
-    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    if (w.type == Q5_0 || w.type == Q5_1) {
-        uint32_t hbits;
-        std::memcpy(&hbits, w.qh + i * 4, 4);
-        v = _mm256_or_si256(v, _mm256_and_si256(bits_to_bytes(hbits), _mm256_set1_epi8(16)));
-    }
-    const int off = w.type == Q4_0 ? 8 : w.type == Q5_0 ? 16 : 0;
-    return off ? _mm256_sub_epi8(v, _mm256_set1_epi8(static_cast<char>(off))) : v;
-}
-
-template <int R>
-inline void block_32(const Part& w, int64_t j, int64_t b, const Acts& a, int64_t r0, __m256* lanes, float* macc) {
-    const int64_t i = j * w.nb + b;
-    const __m256i v = decode_32_avx2(w, i);
-    const __m256i vabs = _mm256_sign_epi8(v, v), ones = _mm256_set1_epi16(1);
-    const float dw = w.d[i];
-    for (int r = 0; r < R; ++r) {
-        const int64_t ab = (r0 + r) * a.nb + b;
-        const __m256i x = _mm256_sign_epi8(load32(a.row(r0 + r) + b * 32), v);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(vabs, x), ones);
-        const float xd = a.d[ab];
-        lanes[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd), lanes[r]);
-        if (w.dm) macc[r] = std::fma(w.dm[i] * xd, static_cast<float>(a.bs[ab]), macc[r]);
+template <int T>
+inline __m256i block_32(const Part& w, int64_t i) {
+    if constexpr (T == Q8_0) {
+        return load32(w.q + i * 32);
+    } else {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + i * 16));
+        const __m128i m4 = _mm_set1_epi8(15);
+        __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+        if constexpr (T == Q5_0 || T == Q5_1) {
+            uint32_t hbits;
+            std::memcpy(&hbits, w.qh + i * 4, 4);
+            v = _mm256_or_si256(v, _mm256_and_si256(bits_to_bytes(hbits), _mm256_set1_epi8(16)));
+        }
+        if constexpr (T == Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+        if constexpr (T == Q5_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+        return v;
     }
 }
 
-template <int R>
+template <int T, int R>
+inline void tile_32(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f, float* macc) {
+    constexpr bool has_min = T == Q4_1 || T == Q5_1;
+    constexpr bool is_signed = !has_min;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = a.row(r0 + r);
+    for (int64_t b = 0; b < w.nb; ++b) {
+        const int64_t i = j * w.nb + b;
+        if constexpr (PF > 0)
+            if ((i & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w.q + i * (T == Q8_0 ? 32 : 16) + PF), _MM_HINT_T0);
+        const __m256i v = block_32<T>(w, i);
+        const __m256i u = is_signed ? _mm256_sign_epi8(v, v) : v;  // |v| against x * sign(v)
+        const float dw = w.d[i];
+        for (int r = 0; r < R; ++r) {
+            const int64_t ab = (r0 + r) * a.nb + b;
+            const __m256i xr = load32(x[r] + b * 32);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, is_signed ? _mm256_sign_epi8(xr, v) : xr), ones);
+            const float xd = a.d[ab];
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd), f[r]);
+            if constexpr (has_min) macc[r] = std::fma(w.dm[i] * xd, static_cast<float>(a.bs[ab]), macc[r]);
+        }
+    }
+}
+
+template <int T, int R>
 void tile(const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t ystride, int64_t col) {
-    if (is_k(w.type)) {
-        float acc[R] = {};
-        for (int64_t b = 0; b < w.nb; ++b) block_k<R>(w, j, b, a, r0, acc);
-        for (int r = 0; r < R; ++r) y[(r0 + r) * ystride + col] = acc[r];
-        return;
-    }
-    __m256 lanes[R];
+    __m256 f[R];
     float macc[R] = {};
-    for (int r = 0; r < R; ++r) lanes[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < w.nb; ++b) block_32<R>(w, j, b, a, r0, lanes, macc);
+    for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
+    if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
+        tile_k<T, R>(w, a, j, r0, f);
+    else
+        tile_32<T, R>(w, a, j, r0, f, macc);
     for (int r = 0; r < R; ++r) {
-        alignas(32) float f[8];
-        _mm256_store_ps(f, lanes[r]);
-        y[(r0 + r) * ystride + col] = reduce8(f) + macc[r];
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, f[r]);
+        y[(r0 + r) * ystride + col] = reduce8(lanes) + macc[r];
     }
 }
 
-template <int R>
+template <int T, int R>
 void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t ys, int64_t col) {
     if constexpr (R > 0) {
-        if (rows == R) return tile<R>(w, a, j, r0, y, ys, col);
-        tile_rest<R - 1>(rows, w, a, j, r0, y, ys, col);
+        if (rows == R) return tile<T, R>(w, a, j, r0, y, ys, col);
+        tile_rest<T, R - 1>(rows, w, a, j, r0, y, ys, col);
     }
+}
+
+template <int T>
+void rows_of(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystride, int64_t col) {
+    int64_t r = 0;
+    for (; r + RT <= a.n; r += RT) tile<T, RT>(w, a, j, r, y, ystride, col);
+    tile_rest<T, RT - 1>(a.n - r, w, a, j, r, y, ystride, col);
 }
 
 void output_rows(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystride, int64_t col) {
-    int64_t r = 0;
-    for (; r + RT <= a.n; r += RT) tile<RT>(w, a, j, r, y, ystride, col);
-    tile_rest<RT - 1>(a.n - r, w, a, j, r, y, ystride, col);
+    switch (w.type) {
+        case Q4_0: return rows_of<Q4_0>(w, a, j, y, ystride, col);
+        case Q4_1: return rows_of<Q4_1>(w, a, j, y, ystride, col);
+        case Q5_0: return rows_of<Q5_0>(w, a, j, y, ystride, col);
+        case Q5_1: return rows_of<Q5_1>(w, a, j, y, ystride, col);
+        case Q8_0: return rows_of<Q8_0>(w, a, j, y, ystride, col);
+        case Q4_K: return rows_of<Q4_K>(w, a, j, y, ystride, col);
+        case Q5_K: return rows_of<Q5_K>(w, a, j, y, ystride, col);
+        default: return rows_of<Q6_K>(w, a, j, y, ystride, col);
+    }
 }
 #else
 constexpr int RT = 8;
@@ -329,15 +376,12 @@ constexpr int RT = 8;
 void output_rows(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystride, int64_t col) {
     for (int64_t r0 = 0; r0 < a.n; r0 += RT) {
         const int64_t rows = std::min<int64_t>(RT, a.n - r0);
-        if (is_k(w.type)) {
-            float acc[RT] = {};
-            rows_k_portable(w, a, j, r0, rows, acc);
-            for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = acc[r];
-        } else {
-            float lanes[RT * 8] = {}, macc[RT] = {};
+        float lanes[RT * 8] = {}, macc[RT] = {};
+        if (is_k(w.type))
+            rows_k_portable(w, a, j, r0, rows, lanes);
+        else
             rows_32_portable(w, a, j, r0, rows, lanes, macc);
-            for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = reduce8(lanes + 8 * r) + macc[r];
-        }
+        for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = reduce8(lanes + 8 * r) + macc[r];
     }
 }
 #endif
