@@ -1,0 +1,157 @@
+"""GGUF weights run as shipped: the repack is lossless, the kernel matches the dequantized
+reference within activation-quantization error, every row's bits are independent of the other
+rows of a call, the AVX2 and portable builds agree bit for bit, and a tiny native model keeps
+every method token-identical to plain decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.errors import UnsupportedModelError
+from specdecode.models import gguf_native, native
+from tests.gguf_blocks import NATIVE, dequantized, random_blocks, write_model_gguf
+
+# Activations are quantized to int8 per block of 32 or 256 (scale = max / 127), so a dot product
+# of n terms carries a relative error of about 1 / (127 * sqrt(3)) per term: ~0.5% of the result's
+# norm for Gaussian inputs. 2% leaves room for every type without hiding a decoding error (a wrong
+# nibble or scale gives errors of order 100%).
+REL_TOL = 0.02
+
+
+def _weight(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[gguf_native.GGUFWeight, np.ndarray, np.ndarray]:
+    raw = random_blocks(np.random.default_rng(seed), type_name, out, inp)
+    planes = {k: torch.from_numpy(v) for k, v in gguf_native.repack(raw, type_name, out, inp).items()}
+    return gguf_native.weight_from_planes(type_name, out, inp, planes), raw, dequantized(raw, type_name, out, inp)
+
+
+def _builds() -> list[object]:
+    builds = [native.load_gguf(portable=True)]
+    if native.cpu_has_avx2_fma():
+        builds.append(native.load_gguf(portable=False))
+    return builds
+
+
+@pytest.mark.parametrize("type_name", NATIVE)
+def test_repack_is_lossless(type_name: str) -> None:
+    w, _, ref = _weight(type_name, 24, 512)
+    assert torch.equal(w.dequantize(), torch.from_numpy(ref))
+    ids = torch.tensor([5, 0, 23, 5])
+    assert torch.equal(w.rows(ids), torch.from_numpy(ref)[ids])
+
+
+@pytest.mark.parametrize("type_name", NATIVE)
+def test_kernel_matches_dequantized_reference(type_name: str) -> None:
+    w, _, ref = _weight(type_name, 40, 768, seed=1)
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(0))
+    want = x @ torch.from_numpy(ref).T
+    for build in _builds():
+        got = build.linear_gguf(x, [w.part])
+        assert (got - want).norm() / want.norm() < REL_TOL, (type_name, build.avx2())
+
+
+@pytest.mark.parametrize("type_name", NATIVE)
+def test_rows_bitwise_invariant_and_builds_agree(type_name: str) -> None:
+    w, _, _ = _weight(type_name, 37, 512, seed=2)  # 37 outputs: uneven thread split
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1)) * 3
+    results = []
+    for build in _builds():
+        alone = torch.cat([build.linear_gguf(x[i : i + 1].contiguous(), [w.part]) for i in range(16)])
+        for n in range(1, 17):
+            for start in (0, 16 - n, (16 - n) // 2):
+                got = build.linear_gguf(x[start : start + n].contiguous(), [w.part])
+                assert torch.equal(got, alone[start : start + n]), (type_name, build.avx2(), n, start)
+        results.append(alone)
+    assert all(torch.equal(results[0], r) for r in results[1:]), "the AVX2 and portable builds differ"
+
+
+def test_multi_part_call_equals_separate_calls() -> None:
+    parts = [_weight(t, out, 512, seed=i)[0] for i, (t, out) in enumerate([("Q4_K", 64), ("Q4_K", 16), ("Q6_K", 16)])]
+    x = torch.randn(3, 512)
+    kernel = native.load_gguf()
+    fused = kernel.linear_gguf(x, [p.part for p in parts])
+    assert torch.equal(fused, torch.cat([kernel.linear_gguf(x, [p.part]) for p in parts], dim=1))
+
+
+def test_extreme_activations_and_zero_rows() -> None:
+    w, _, ref = _weight("Q6_K", 8, 256)
+    x = torch.zeros(3, 256)
+    x[1] = 1e30
+    x[2, ::2] = -1e-30
+    y = native.load_gguf().linear_gguf(x, [w.part])
+    assert torch.equal(y[0], torch.zeros(8)) and torch.isfinite(y).all()
+    want = x[1].double() @ torch.from_numpy(ref).T.double()
+    assert ((y[1].double() - want).norm() / want.norm()) < REL_TOL
+
+
+def test_unsupported_type_names_tensor_and_fallback() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up\.weight.*Q2_K.*--quantize none"):
+        gguf_native.check_type("blk.0.ffn_up.weight", "Q2_K", 256)
+    with pytest.raises(UnsupportedModelError, match="not whole Q4_K blocks"):
+        gguf_native.check_type("blk.0.ffn_up.weight", "Q4_K", 896)
+
+
+def test_truncated_gguf_is_a_named_error(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_model_gguf(path, {"": "Q8_0"}, hidden=64, inter=64, layers=1)
+    data = path.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UnsupportedModelError):
+        LLM(model=str(bad), progress=False)
+
+
+# ---- a tiny model run natively: every method equals plain decoding of the native target ------
+
+MIXED = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q4_0", "ffn_gate": "Q5_0",
+         "ffn_up": "Q4_1", "ffn_down": "Q5_1", "token_embd": "Q8_0", "output.weight": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def native_llm(tmp_path_factory) -> LLM:
+    root = tmp_path_factory.mktemp("native")
+    write_model_gguf(root / "target.gguf", MIXED, seed=3)
+    write_model_gguf(root / "draft.gguf", {"": "Q8_0"}, seed=3)
+    return LLM(model=str(root / "target.gguf"), draft=str(root / "draft.gguf"), max_seq_len=512, progress=False)
+
+
+def test_native_is_the_default_for_gguf_sources(native_llm: LLM) -> None:
+    assert native_llm.quantize == "native"
+    assert all(isinstance(w, gguf_native.GGUFLinear) for w in (native_llm.target.layers[0].qkv, native_llm.target.lm_head))
+
+
+def test_native_model_matches_its_dequantized_weights(native_llm: LLM) -> None:
+    """One forward of the native target against the same weights dequantized, in float."""
+    ids = torch.tensor(native_llm.tokenizer.encode("def f(x): return x + 1"))
+    target = native_llm.target
+    cache = target.new_cache(64)
+    got = target.forward(ids, cache)
+    reference = LLM(model=str(native_llm.model_dir), quantize="none", max_seq_len=512, progress=False).target
+    want = reference.forward(ids, reference.new_cache(64))
+    assert ((got - want).norm() / want.norm()) < 0.05
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self"])
+def test_native_greedy_identity(native_llm: LLM, method: str) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    drafted = 0
+    for prompt in ("def f(x): return x + 1\ndef f(x):", "class A:\n    def __init__(self): self.a = 1\n    def"):
+        plain = native_llm.generate(prompt, params, method="none")[0]
+        spec = native_llm.generate(prompt, params, method=method, num_speculative_tokens=4)[0]
+        assert spec.token_ids == plain.token_ids, method
+        drafted += spec.stats.draft_tokens
+    assert drafted > 0
+
+
+def test_native_prefill_equals_token_by_token(native_llm: LLM) -> None:
+    target = native_llm.target
+    ids = torch.tensor(native_llm.tokenizer.encode("x = [i * i for i in range(10)] # squares " * 3))
+    whole = target.forward(ids, target.new_cache(256))
+    cache = target.new_cache(256)
+    steps = torch.cat([target.forward(ids[i : i + 1], cache) for i in range(len(ids))])
+    assert torch.equal(whole, steps)
