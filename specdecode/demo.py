@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     llm = LLM(method="draft_model", num_speculative_tokens=args.k)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    print(f"target {llm.model_name}, draft {llm.draft_name}, fp32, greedy, {args.max_tokens} new tokens, "
-          f"K={args.k}\n")
+    weights = "GGUF weights run as shipped" if llm.quantize == "native" else f"{llm.quantize or 'float32'} weights"
+    print(f"target {llm.model_name} ({weights}), draft {llm.draft_name}, greedy, {args.max_tokens} new "
+          f"tokens, K={args.k}\n")
     # Warm-up: a process's first forwards page the weights in from disk; untimed, every method.
     warm = llm.chat_prompt_ids([{"role": "user", "content": "Hi"}])
     for method in METHODS:

@@ -34,17 +34,32 @@ def smol(real_home):
     return LLM(model="smollm2-135m-instruct", max_seq_len=1024, progress=False)
 
 
-def test_smollm2_logits_match_transformers(smol, real_home):
+def _transformers_logits(ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     from specdecode.models.catalog import resolve_model
 
     ref = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct"), dtype=torch.float32)
-    ids = torch.tensor(smol.tokenizer.encode(SMOL_PROMPTS[1]))
     with torch.no_grad():
-        expected = ref(ids[None]).logits[0]
+        return ref(ids[None]).logits[0]
+
+
+def test_smollm2_logits_match_transformers(real_home):
+    smol_float = LLM(model="smollm2-135m-instruct", max_seq_len=1024, progress=False, quantize="none")
+    ids = torch.tensor(smol_float.tokenizer.encode(SMOL_PROMPTS[1]))
+    got = smol_float.target.forward(ids, smol_float.target.new_cache(len(ids)))
+    torch.testing.assert_close(got, _transformers_logits(ids), atol=1e-3, rtol=1e-4)
+
+
+def test_smollm2_native_logits_near_transformers(smol, real_home):
+    """The GGUF run as shipped (the default) against transformers on its dequantized weights: only
+    the activations' int8 rounding separates them (SmolLM2 is a llama file: q/k rows permuted)."""
+    assert smol.quantize == "native"
+    ids = torch.tensor(smol.tokenizer.encode(SMOL_PROMPTS[1]))
     got = smol.target.forward(ids, smol.target.new_cache(len(ids)))
-    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+    want = _transformers_logits(ids)
+    assert (got - want).norm() / want.norm() < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
