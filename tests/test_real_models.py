@@ -38,8 +38,11 @@ def _transformers_logits(ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     from specdecode.models.catalog import resolve_model
+    from specdecode.models.gguf_convert import write_float_weights
 
-    ref = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct"), dtype=torch.float32)
+    folder = resolve_model("smollm2-135m-instruct")
+    write_float_weights(folder)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         return ref(ids[None]).logits[0]
 

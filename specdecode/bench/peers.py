@@ -97,6 +97,10 @@ def _load(path: Path, torch_dtype: Any, eos: list[int], share: Any = None) -> An
         if share is not None and _shareable(share, torch_dtype):
             model = _shared_model(path, share)
         else:
+            from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
+
+            if (Path(path) / MARKER_NAME).is_file():  # converted from GGUF: floats are made on demand
+                write_float_weights(Path(path))
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     except (OSError, ValueError) as exc:
         raise PeerUnavailableError(f"transformers cannot load {path}: {exc}") from None

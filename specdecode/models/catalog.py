@@ -112,7 +112,7 @@ def pull(name: str, progress: bool = True) -> Path:
     files = find_weight_files(entry)
     with _conversion_lock(target, progress):
         if not is_converted(target):  # another process may have finished while we waited
-            convert_gguf(files, target, progress=progress)
+            convert_gguf(files, target, progress=progress, float_weights=False)
     return target
 
 
@@ -190,7 +190,7 @@ def _convert_local_gguf(path: Path, progress: bool) -> Path:
     if not is_converted(target):
         with _conversion_lock(target, progress):
             if not is_converted(target):
-                convert_gguf([path], target, progress=progress)
+                convert_gguf([path], target, progress=progress, float_weights=False)
     return target
 
 

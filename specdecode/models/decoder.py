@@ -22,7 +22,8 @@ from specdecode.cache import KVCache
 from specdecode.errors import InvalidConfigError
 from specdecode.models import kernels, quant
 from specdecode.models.config import ModelConfig
-from specdecode.models.gguf_native import GGUFWeight, gguf_sources
+from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
+from specdecode.models.gguf_native import GGUFLinear, GGUFWeight, gguf_sources
 from specdecode.models.packed import load_packed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -89,6 +90,16 @@ class Decoder:
         torch_dtype = DTYPES[dtype]
         if quantize == "native":
             return cls.from_gguf(gguf_sources(Path(path)), config, dtype, batch_invariant)
+        from_gguf = (Path(path) / MARKER_NAME).is_file()
+        if from_gguf and not batch_invariant and quantize in quant.DRAFT_MODES and dtype == "float32":
+            # A quantized draft from a GGUF: each matrix dequantized from the GGUF planes just
+            # before it is packed, so no float32 copy of the model is written or held whole.
+            from specdecode.models import gguf_load
+
+            packed = gguf_load.decoder_weights(gguf_load.native_weights(gguf_sources(Path(path))), config)
+            return cls(config, packed, torch_dtype, batch_invariant, native, quantize)
+        if from_gguf:
+            write_float_weights(Path(path))
         packed = load_packed(Path(path), config, torch_dtype)
         return cls(config, packed, torch_dtype, batch_invariant, native, quantize)
 
@@ -121,7 +132,13 @@ class Decoder:
                 w.gate_up, w.down = quant.quantize_rows(w.gate_up), quant.quantize_rows(w.down)
             self._linear = kernels.linear_int8
             return
-        pack = quant.pack_int4 if mode == "int4" else quant.pack_int8
+        packer = quant.pack_int4 if mode == "int4" else quant.pack_int8
+
+        def pack(w: Tensor | GGUFLinear) -> object:
+            if not isinstance(w, GGUFLinear):
+                return packer(w)
+            return quant.pack_int4(w.dequantize(), many_rows=w) if mode == "int4" else packer(w.dequantize())
+
         self.lm_head = pack(self.lm_head)
         for w in self.layers:
             w.qkv, w.o = pack(w.qkv), pack(w.o)
@@ -149,7 +166,8 @@ class Decoder:
         """
         if self._fused is not None and tree is None and tokens.shape[0] <= quant.INT4_MAX_ROWS:
             start = cache.reserve(tokens.shape[0])
-            return self._fused.forward(tokens, cache.k, cache.v, start, last_only)
+            rows = self.embed.rows(tokens) if isinstance(self.embed, GGUFWeight) else tokens
+            return self._fused.forward(rows, cache.k, cache.v, start, last_only)
         return self.forward_batch([(tokens, cache)], last_only, [tree])[0]
 
     @torch.inference_mode()

@@ -76,8 +76,13 @@ def read_gguf_metadata(path: Path, include_arrays: bool = False) -> dict[str, An
     return _metadata(reader, include_arrays)
 
 
-def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: bool = True) -> Path:
+def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: bool = True,
+                 float_weights: bool = True) -> Path:
     """Convert one GGUF (given whole, or as byte parts to concatenate in order) into ``out_dir``.
+
+    ``float_weights=False`` writes everything but ``model.safetensors`` (a 4-bit model's float32
+    copy is 7x its size): a model run natively never reads it, and ``write_float_weights`` makes
+    it later for whoever needs floats (``--quantize none``, transformers as a peer).
 
     Everything is written into ``<out_dir>.partial`` and renamed at the end, so ``out_dir``
     either holds a complete conversion (with its marker file) or does not exist.
@@ -98,7 +103,7 @@ def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: boo
     try:
         gguf_file = parts[0] if len(parts) == 1 else _join_parts(parts, joined, progress)
         partial.mkdir(parents=True)
-        _convert_into(gguf_file, partial, progress)
+        _convert_into(gguf_file, partial, progress, float_weights)
         _write_json(partial / MARKER_NAME, {
             "converter_version": CONVERTER_VERSION, "sources": [str(p) for p in parts],
             "source_bytes": sum(p.stat().st_size for p in parts), "seconds": round(time.monotonic() - started, 1),
@@ -112,7 +117,7 @@ def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: boo
     return out_dir
 
 
-def _convert_into(gguf_file: Path, out: Path, progress: bool) -> None:
+def _convert_into(gguf_file: Path, out: Path, progress: bool, float_weights: bool = True) -> None:
     """Write every file of the HF folder from one (whole) GGUF file into ``out``."""
     reader = _open_reader(gguf_file)
     meta = _metadata(reader, include_arrays=True)
@@ -128,11 +133,39 @@ def _convert_into(gguf_file: Path, out: Path, progress: bool) -> None:
     eos_ids = tokenizer_files.generation_config.get("eos_token_id") or [None]
     config.update(eos_token_id=eos_ids[0], bos_token_id=tokenizer_files.generation_config.get("bos_token_id"))
     jobs = _plan_tensors(tensors, config, arch)
-    _write_safetensors(out / "model.safetensors", jobs, progress)
+    if float_weights:
+        _write_safetensors(out / "model.safetensors", jobs, progress)
     tokenizer_files.tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_files.tokenizer_config)
     _write_json(out / "generation_config.json", tokenizer_files.generation_config)
     _write_json(out / "config.json", config)
+
+
+def write_float_weights(folder: Path, progress: bool = True) -> Path:
+    """``folder/model.safetensors`` (float32) from the GGUF the folder was converted from, unless
+    it is there already; written to a temporary name and renamed, so it is whole or absent."""
+    from specdecode.models.gguf_native import gguf_sources
+
+    target = Path(folder) / "model.safetensors"
+    if target.is_file():
+        return target
+    parts = gguf_sources(Path(folder))
+    _check_disk_space(parts, Path(folder))
+    joined = target.with_name(f".model.{os.getpid()}.joined.gguf")
+    partial = target.with_name(f".model.{os.getpid()}.partial")
+    try:
+        gguf_file = parts[0] if len(parts) == 1 else _join_parts(parts, joined, progress)
+        reader = _open_reader(gguf_file)
+        meta = _metadata(reader, include_arrays=False)
+        arch_name = str(meta.get("general.architecture"))
+        config = json.loads((Path(folder) / "config.json").read_text())
+        jobs = _plan_tensors({t.name: t for t in reader.tensors}, config, _ARCHS[arch_name])
+        _write_safetensors(partial, jobs, progress)
+        os.replace(partial, target)
+    finally:
+        joined.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+    return target
 
 
 def build_config(meta: dict[str, Any], arch_name: str, tied: bool) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Weight quantization: fbgemm's dynamic int8 linear for draft models, int4 draft weights for
-their decode rows (``Int4Groups``), and per-row int8 weights with float activations
+their decode rows (``Int4Groups``; a draft from a GGUF runs its other calls on the GGUF weights
+as shipped), and per-row int8 weights with float activations
 (``Int8Rows``) for a target the user asks to quantize.
 
 A draft's numerics never affect exactness (the target verifies every token), so the cheapest
@@ -67,7 +68,7 @@ class Int4Groups:
     packed: Tensor  # [out, in / 2] uint8, see the kernel's layout note
     scales: Tensor  # [out, in / INT4_GROUP] float32
     offset: Tensor  # [out] float32: 128 * sum over groups of scale * sum of the group's values
-    int8: Any  # fbgemm prepacked int8 of the same weight
+    int8: Any  # for calls of many rows: fbgemm prepacked int8 of the same weight, or its GGUF form
     kernel: Any  # the compiled ``linear_int4``, looked up once here rather than per call; or None
 
     def dequantize(self) -> Tensor:
@@ -77,14 +78,15 @@ class Int4Groups:
         return (q * self.scales[..., None]).reshape(out, 2 * half)
 
 
-def pack_int4(w: Tensor, chunk_rows: int = 8192) -> Any:
+def pack_int4(w: Tensor, chunk_rows: int = 8192, many_rows: Any = None) -> Any:
     """[out, in] float weight -> ``Int4Groups`` (symmetric, scale = max |w| / 7 per group), or the
     plain int8 pack when ``in`` is not a whole number of groups. In row chunks, so a large
-    matrix is never held twice in float."""
+    matrix is never held twice in float. ``many_rows``: what calls of many rows use instead of
+    an int8 copy (a GGUF weight, which the GGUF kernel runs as shipped)."""
     w = w.float()
     out, inp = w.shape
     if inp % INT4_GROUP:
-        return pack_int8(w)
+        return pack_int8(w) if many_rows is None else many_rows
     groups = inp // INT4_GROUP
     packed = torch.empty(out, inp // 2, dtype=torch.uint8)
     scales = torch.empty(out, groups, dtype=torch.float32)
@@ -101,17 +103,28 @@ def pack_int4(w: Tensor, chunk_rows: int = 8192) -> Any:
     from specdecode.models import native
 
     module = native.load_int4()
-    return Int4Groups(packed, scales, offset, pack_int8(w), module.linear_int4 if module else None)
+    many = pack_int8(w) if many_rows is None else many_rows
+    return Int4Groups(packed, scales, offset, many, module.linear_int4 if module else None)
 
 
 def linear_draft(x: Tensor, w: Any) -> Tensor:
     """A quantized draft's ``x @ w.T``: the int4 kernel for a few rows of an ``Int4Groups``
     weight, fbgemm's int8 otherwise (and where the kernel cannot run)."""
     if not isinstance(w, Int4Groups):
-        return linear_int8(x, w)
+        return _many_rows(x, w)
     if x.shape[0] > INT4_MAX_ROWS or w.kernel is None:
-        return linear_int8(x, w.int8)
+        return _many_rows(x, w.int8)
     return w.kernel(x.contiguous(), w.packed, w.scales, w.offset)
+
+
+def _many_rows(x: Tensor, w: Any) -> Tensor:
+    from specdecode.models.gguf_native import GGUFLinear
+
+    if isinstance(w, GGUFLinear):
+        from specdecode.models.kernels import linear_gguf
+
+        return linear_gguf(x, w)
+    return linear_int8(x, w)
 
 
 def fused_int4_draft(model: Any) -> Any:
@@ -129,10 +142,11 @@ def fused_int4_draft(model: Any) -> Any:
 
     cfg = model.config
     empty = torch.empty(0)
+    embed = model.embed.contiguous() if isinstance(model.embed, Tensor) else empty  # GGUF rows: looked up by the caller
     layers = [[w.in_norm, w.post_norm, w.qkv_bias if w.qkv_bias is not None else empty,
                *parts(w.qkv), *parts(w.o), *parts(w.gate_up), *parts(w.down)] for w in model.layers]
     return native.load_int4().Int4Draft(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                                        model.embed.contiguous(), model.cos, model.sin, model.norm,
+                                        embed, model.cos, model.sin, model.norm,
                                         parts(model.lm_head), layers)
 
 

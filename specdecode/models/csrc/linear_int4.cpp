@@ -239,7 +239,8 @@ class Int4Draft {
         : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
           embed_(embed.contiguous()), cos_(cos.contiguous()), sin_(sin.contiguous()), norm_(norm.contiguous()) {
         TORCH_CHECK(lm_head.size() == 3, "lm_head: packed, scales, offset");
-        hidden_ = embed_.size(1);
+        hidden_ = norm_.size(0);
+        TORCH_CHECK(!embed_.numel() || embed_.size(1) == hidden_, "embed must be [V, hidden] or empty");
         lm_head_ = Weight(lm_head[0], lm_head[1], lm_head[2]);
         for (auto& t : lm_head) keep_.push_back(t);
         for (auto& l : layers) {
@@ -260,28 +261,35 @@ class Int4Draft {
         }
     }
 
-    // tokens [n] int64 at cache slots start..start+n-1 of k/v [layers, kv_heads, capacity, head_dim];
+    // tokens [n] int64 (or their embeddings [n, hidden] float32, for a model built with an empty
+    // embed) at cache slots start..start+n-1 of k/v [layers, kv_heads, capacity, head_dim];
     // returns logits [n, V], or [1, V] for the last row with last_only.
     torch::Tensor forward(const torch::Tensor& tokens, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
                           bool last_only) {
-        const int64_t n = tokens.numel(), D = hidden_, d = head_dim_, hq = heads_, hkv = kv_heads_;
+        const bool embedded = tokens.scalar_type() == torch::kFloat32;
+        const int64_t n = tokens.size(0), D = hidden_, d = head_dim_, hq = heads_, hkv = kv_heads_;
         const int64_t capacity = k_cache.size(2), end = start + n;
         TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == (int64_t)layers_.size()
                         && k_cache.size(1) == hkv && k_cache.size(3) == d, "bad kv cache");
         TORCH_CHECK(start >= 0 && end <= capacity && end <= cos_.size(0), "slots past the cache");
-        TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && tokens.numel() > 0,
-                    "tokens must be [n > 0] int64");
+        TORCH_CHECK(embedded ? tokens.dim() == 2 && tokens.size(1) == D && n > 0
+                             : tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && n > 0 && embed_.numel(),
+                    "tokens must be [n > 0] int64, or [n > 0, hidden] float32 embeddings");
         const torch::Tensor ids = tokens.contiguous();
-        const int64_t* tok = ids.data_ptr<int64_t>();
         const int64_t inter = layers_.empty() ? 0 : layers_[0].down.in;
         const int64_t widest = std::max({D, hq * d, inter});
         std::vector<float> x(n * D), h(n * D), qkv(n * (hq + 2 * hkv) * d), attn(n * hq * d),
             gu(n * 2 * inter), act(n * inter), tmp(n * D), scores(hq * n * end);
         std::vector<uint8_t> xq(n * widest);
         std::vector<float> xs(n);
-        for (int64_t r = 0; r < n; ++r) {
-            TORCH_CHECK(tok[r] >= 0 && tok[r] < embed_.size(0), "token id out of range");
-            std::copy_n(embed_.data_ptr<float>() + tok[r] * D, D, x.data() + r * D);
+        if (embedded) {
+            std::copy_n(ids.data_ptr<float>(), n * D, x.data());
+        } else {
+            const int64_t* tok = ids.data_ptr<int64_t>();
+            for (int64_t r = 0; r < n; ++r) {
+                TORCH_CHECK(tok[r] >= 0 && tok[r] < embed_.size(0), "token id out of range");
+                std::copy_n(embed_.data_ptr<float>() + tok[r] * D, D, x.data() + r * D);
+            }
         }
         const float scale = 1.f / std::sqrt(static_cast<float>(d));
         const int64_t width = (hq + 2 * hkv) * d, group = hq / hkv;
@@ -322,7 +330,7 @@ class Int4Draft {
         }
         const int64_t first = last_only ? n - 1 : 0, m = n - first;
         rms_norm(x.data() + first * D, norm_.data_ptr<float>(), m, D, eps_, h.data());
-        auto logits = torch::empty({m, lm_head_.out}, embed_.options());
+        auto logits = torch::empty({m, lm_head_.out}, norm_.options());
         lm_head_.apply(h.data(), m, logits.data_ptr<float>(), xq.data(), xs.data());
         return logits;
     }
