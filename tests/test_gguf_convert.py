@@ -327,3 +327,13 @@ def test_smollm_tensors_equal_transformers_gguf_loader(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_floats_written_on_demand_equal_a_full_conversion(tmp_path: Path) -> None:
+    src = tmp_path / "m.gguf"
+    expected = write_tiny_gguf(src, "llama", qtypes={"mlp": Q.Q8_0, "self_attn": Q.Q4_0})
+    out = convert_gguf(src, tmp_path / "out", progress=False, float_weights=False)
+    assert (out / "config.json").is_file() and not (out / "model.safetensors").exists()
+    gguf_convert.write_float_weights(out, progress=False)
+    _check_tensors(out, expected)
+    assert not list(out.glob(".model.*"))  # no partial or joined file left behind
