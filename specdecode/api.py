@@ -27,7 +27,7 @@ from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine import Engine, GenerationOutput
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
-from specdecode.errors import InvalidConfigError, VocabularyMismatchError
+from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError
 from specdecode.models.catalog import resolve_model
 from specdecode.models.gguf_convert import MARKER_NAME
 from specdecode.models import quant
@@ -96,7 +96,16 @@ class LLM:
         # Checked before the weights load, so a wrong store fails in a second, not a minute.
         self.datastore = Datastore.open(datastore, tokenizer=self.tokenizer) if datastore else None
         self.quantize = _target_quantize(quantize, dtype, path)
-        self.target = Decoder.from_dir(path, dtype, quantize=self.quantize)
+        try:
+            self.target = Decoder.from_dir(path, dtype, quantize=self.quantize)
+        except UnsupportedModelError as exc:
+            if quantize is not None or self.quantize != "native":
+                raise
+            # Native is only the default: a GGUF with matrices no kernel runs (F16, Q2_K, ...)
+            # runs dequantized instead, said once.
+            print(f"specdecode: running {model!r} dequantized to float32 ({exc})", file=sys.stderr)
+            self.quantize = None
+            self.target = Decoder.from_dir(path, dtype)
         self.engine = Engine(self.target, self.tokenizer, max_seq_len)
         self.draft_model: Decoder | None = None
         self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary

@@ -8,7 +8,8 @@ import json
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    ls = sub.add_parser("list", help="named models: source, size, installed and converted or not")
+    ls = sub.add_parser("list", help="named models: source, size, installed and converted or not, and which "
+                                     "weight forms are cached (native: the GGUF repacked; float32: dequantized)")
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     ls.set_defaults(run=run_list)
     pull = sub.add_parser("pull", help="convert a named model now (it is otherwise converted on first use)")
@@ -22,13 +23,14 @@ def run_list(args: argparse.Namespace) -> int:
     rows = list_models()
     if args.json:
         print(json.dumps([{"name": m.name, "source": m.source, "size_bytes": m.size_bytes,
-                           "installed": m.installed, "converted": m.converted, "path": str(m.path)}
+                           "installed": m.installed, "converted": m.converted, "path": str(m.path),
+                           "forms": list(m.forms)}
                           for m in rows]))
         return 0
-    print(f"{'NAME':32} {'SIZE':>8}  {'INSTALLED':9}  {'CONVERTED':9}  SOURCE")
+    print(f"{'NAME':32} {'SIZE':>8}  {'INSTALLED':9}  {'CONVERTED':9}  {'CACHED':14}  SOURCE")
     for m in rows:
         print(f"{m.name:32} {m.size_bytes / 2**20:7.0f}M  {'yes' if m.installed else 'no':9}  "
-              f"{'yes' if m.converted else 'no':9}  {m.source}")
+              f"{'yes' if m.converted else 'no':9}  {','.join(m.forms) or '-':14}  {m.source}")
     return 0
 
 

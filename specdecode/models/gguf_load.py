@@ -34,8 +34,16 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
 
     sources = [Path(s) for s in sources]
     cached = gguf_native.cache_path(sources, specdecode_home())
+    refused = cached.with_suffix(".unsupported")  # remembers why a file cannot run natively
+    if refused.is_file():
+        raise UnsupportedModelError(refused.read_text())
     if not cached.is_file():
-        _build(sources, cached, progress)
+        try:
+            _build(sources, cached, progress)
+        except UnsupportedModelError as exc:
+            if "--quantize none" in str(exc):  # a property of the file, not of this machine
+                refused.write_text(str(exc))
+            raise
     return _read(cached)
 
 
