@@ -1,10 +1,11 @@
 // GGUF-quantized linear layers run as shipped: y[n, out] = x[n, in] . W[out, in]^T with W in its
 // GGUF block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), never dequantized.
 //
-// Why by hand: llama.cpp's kernels compute one activation row per weight pass, and torch has no
+// Why by hand: llama.cpp's vector dot products take one activation row per weight pass, and torch has no
 // k-quant matmul at all. Speculative decoding verifies K+1 rows at once, so here each weight
-// block is decoded once per call and applied to every row, which makes a verify of many rows
-// cost little more than one.
+// block is read and decoded once per call and applied to every row: the weights stream from
+// memory once however many rows there are, and each row adds only its multiplies (on AVX2 two
+// instructions per 32 products, which docs/GGUF_NATIVE.md measures).
 //
 // Exactness: activations are quantized per row (int8, one float scale per block: 256 inputs for
 // the k-quants like llama.cpp's Q8_K, 32 for the others like its Q8_0), so a row's integers never
