@@ -95,7 +95,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(path)
         # Checked before the weights load, so a wrong store fails in a second, not a minute.
         self.datastore = Datastore.open(datastore, tokenizer=self.tokenizer) if datastore else None
-        self.quantize = _target_quantize(quantize, dtype, path)
+        self.quantize = target_quantize(quantize, dtype, path)
         try:
             self.target = Decoder.from_dir(path, dtype, quantize=self.quantize)
         except UnsupportedModelError as exc:
@@ -239,7 +239,7 @@ class LLM:
         return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k, self.adaptive)
 
 
-def _target_quantize(mode: str | None, dtype: str, path: Path) -> str | None:
+def target_quantize(mode: str | None, dtype: str, path: Path) -> str | None:
     """The target's quantization: None for "none"; for None, "native" where ``path`` came from a
     GGUF file and ``dtype`` is float32, else None; "int8" needs float32 weights to quantize."""
     if mode is None:

@@ -30,12 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from specdecode.api import _target_quantize
+    from specdecode.api import target_quantize
     from specdecode.models.catalog import resolve_model
     from specdecode.models.decoder import Decoder
 
     path = resolve_model(args.model, progress=not args.json)
-    quantize = _target_quantize(args.quantize, args.dtype, path)
+    quantize = target_quantize(args.quantize, args.dtype, path)
     model = Decoder.from_dir(path, args.dtype, quantize=quantize)
     # The same float weights through torch's own F.linear (BLAS GEMV for one row): the reference
     # speed for one token, which rounds differently from multi-row calls (see models/kernels.py).

@@ -90,15 +90,15 @@ class Decoder:
         torch_dtype = DTYPES[dtype]
         if quantize == "native":
             return cls.from_gguf(gguf_sources(Path(path)), config, dtype, batch_invariant)
-        from_gguf = (Path(path) / MARKER_NAME).is_file()
-        if from_gguf and not batch_invariant and quantize in quant.DRAFT_MODES and dtype == "float32":
+        gguf_folder = (Path(path) / MARKER_NAME).is_file()
+        if gguf_folder and not batch_invariant and quantize in quant.DRAFT_MODES and dtype == "float32":
             # A quantized draft from a GGUF: each matrix dequantized from the GGUF planes just
             # before it is packed, so no float32 copy of the model is written or held whole.
             from specdecode.models import gguf_load
 
             packed = gguf_load.decoder_weights(gguf_load.native_weights(gguf_sources(Path(path))), config)
             return cls(config, packed, torch_dtype, batch_invariant, native, quantize)
-        if from_gguf:
+        if gguf_folder:
             write_float_weights(Path(path))
         packed = load_packed(Path(path), config, torch_dtype)
         return cls(config, packed, torch_dtype, batch_invariant, native, quantize)
@@ -109,10 +109,11 @@ class Decoder:
         """The GGUF in ``sources`` (a file, or byte parts in order) run natively: its quantized
         matrices through ``kernels.linear_gguf`` (batch-invariant for every row count, prefills
         included), activations and attention in float32."""
-        from specdecode.models import gguf_load
+        from specdecode.models import gguf_load, native
 
         if dtype != "float32":
             raise InvalidConfigError(f"native GGUF weights compute in float32 activations, not {dtype!r}")
+        native.load_gguf()  # built (or refused, by name) now rather than at the first forward
         packed = gguf_load.decoder_weights(gguf_load.native_weights(sources, progress), config)
         model = cls(config, packed, torch.float32, batch_invariant)
         model._linear = kernels.linear_gguf
@@ -166,7 +167,7 @@ class Decoder:
         """
         if self._fused is not None and tree is None and tokens.shape[0] <= quant.INT4_MAX_ROWS:
             start = cache.reserve(tokens.shape[0])
-            rows = self.embed.rows(tokens) if isinstance(self.embed, GGUFWeight) else tokens
+            rows = self._embed(tokens) if isinstance(self.embed, GGUFWeight) else tokens
             return self._fused.forward(rows, cache.k, cache.v, start, last_only)
         return self.forward_batch([(tokens, cache)], last_only, [tree])[0]
 
@@ -200,7 +201,7 @@ class Decoder:
             cos, sin = self.cos[positions], self.sin[positions]
         # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path.
         linear = self._linear if len(segments) == 1 else self._rows_linear
-        x = self.embed.rows(tokens) if isinstance(self.embed, GGUFWeight) else self.embed[tokens]  # [N, D]
+        x = self._embed(tokens)  # [N, D]
         for i, layer in enumerate(self.layers):
             x = self._layer(x, layer, i, views, cos, sin, linear)
         if last_only:
@@ -209,6 +210,10 @@ class Decoder:
         x = kernels.rms_norm(x, self.norm, cfg.rms_norm_eps)
         logits = linear(x, self.lm_head).float()
         return list(logits.split(1 if last_only else [v.n for v in views]))
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        """Embedding rows of ``tokens``: a float table indexed, or a GGUF table's rows decoded."""
+        return self.embed.rows(tokens) if isinstance(self.embed, GGUFWeight) else self.embed[tokens]
 
     def _view(self, n: int, cache: KVCache, tree: Sequence[int] | None, group: int) -> _SegmentView:
         start = cache.reserve(n)

@@ -9,6 +9,7 @@ describe the same model.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -64,13 +65,17 @@ def _build(sources: list[Path], cached: Path, progress: bool) -> None:
         for job in jobs:
             if len(job.shape) == 2:
                 gguf_native.check_type(job.tensor.name, job.tensor.tensor_type.name, job.shape[1])
-        gguf_native.write_atomic(cached, _arrays(jobs, progress), {"repack_version": str(gguf_native.REPACK_VERSION)})
+        records: dict[str, list[object]] = {}
+        gguf_native.write_atomic(cached, _arrays(jobs, records, progress),
+                                 lambda: {"repack_version": str(gguf_native.REPACK_VERSION),
+                                          "weights": json.dumps(records)})
     finally:
         joined.unlink(missing_ok=True)
 
 
-def _arrays(jobs: list, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every plane of every tensor, one tensor in memory at a time."""
+def _arrays(jobs: list, records: dict[str, list[object]], progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every plane of every tensor, one tensor in memory at a time; each
+    quantized weight's [type, out, in] goes into ``records``."""
     from tqdm import tqdm
 
     for job in tqdm(jobs, desc="repacking GGUF", unit="tensor", file=sys.stderr, disable=not progress):
@@ -82,7 +87,7 @@ def _arrays(jobs: list, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
         planes = gguf_native.repack(np.asarray(job.tensor.data), type_name, out, inp)
         if job.unpermute_heads is not None:  # rows are quantized independently: permuting them is exact
             planes = {k: gguf_convert.unpermute_qk(v, job.unpermute_heads) for k, v in planes.items()}
-        yield f"{job.hf_name}@{type_name}@{out}@{inp}", np.zeros(0, np.uint8)  # the weight's record
+        records[job.hf_name] = [type_name, out, inp]
         for plane, array in planes.items():
             yield f"{job.hf_name}.{plane}", np.ascontiguousarray(array)
 
@@ -90,16 +95,13 @@ def _arrays(jobs: list, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
 def _read(cached: Path) -> NativeWeights:
     out: NativeWeights = {}
     planes: dict[str, dict[str, Tensor]] = {}
-    records: dict[str, tuple[str, int, int]] = {}
     with safe_open(cached, framework="pt") as f:
+        records = json.loads(f.metadata()["weights"])
         for name in f.keys():
+            hf, _, plane = name.rpartition(".")
             if name.startswith("__pad"):
                 continue
-            if "@" in name:
-                hf, type_name, o, i = name.split("@")
-                records[hf] = (type_name, int(o), int(i))
-            elif name.rsplit(".", 1)[-1] in gguf_native.PLANES and name.rsplit(".", 1)[0].endswith("weight"):
-                hf, plane = name.rsplit(".", 1)
+            if hf in records:
                 planes.setdefault(hf, {})[plane] = f.get_tensor(name)
             else:
                 out[name] = f.get_tensor(name)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+import shutil
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
 
-REPACK_VERSION = 1
+REPACK_VERSION = 2
 # GGML type id -> (name, inputs per block, bytes per block). The kernel's type codes are these ids.
 TYPES = {
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
@@ -70,8 +71,7 @@ class GGUFWeight:
         """Float32 rows ``ids`` [N] -> [N, in]: an embedding lookup."""
         from specdecode.models import native
 
-        return native.load_gguf().dequantize_rows(self.type_id, self.out, self.inp, list(self.planes),
-                                                  ids.reshape(-1).long())
+        return native.load_gguf().dequantize_rows(self.type_id, self.out, self.inp, self.part[2], ids.reshape(-1).long())
 
     def dequantize(self) -> Tensor:
         return self.rows(torch.arange(self.out))
@@ -160,46 +160,43 @@ def cache_path(sources: Sequence[Path], home: Path) -> Path:
     return home / "native" / f"{Path(sources[0]).stem}-{digest}.safetensors"
 
 
-def write_atomic(target: Path, tensors: Iterator[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
-    """Stream named arrays into a safetensors file (header first), renamed into place when whole."""
+def write_atomic(target: Path, arrays: Iterator[tuple[str, np.ndarray]], metadata: Callable[[], dict[str, str]]) -> None:
+    """Stream named arrays into a safetensors file, one array in memory at a time, renamed into
+    place when whole. The data goes to a side file first (the header, which comes first in the
+    file, is known only at the end); ``metadata`` is asked for once every array has been seen."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    data = tmp.with_suffix(".data")
     try:
-        _stream_safetensors(tmp, list(tensors), metadata)
+        header: dict[str, Any] = {}
+        with open(data, "wb") as f:
+            for name, arr in arrays:
+                pad = -f.tell() % 32  # 32-byte aligned planes for aligned vector loads
+                if pad:  # safetensors wants the data covered: padding is a tensor of its own
+                    header[f"__pad{f.tell()}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [f.tell(), f.tell() + pad]}
+                    f.write(b"\0" * pad)
+                start = f.tell()
+                f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+                header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape), "data_offsets": [start, f.tell()]}
+            size = f.tell()
+        header["__metadata__"] = metadata()
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-(8 + len(blob)) % 32)
+        with open(tmp, "wb") as out, open(data, "rb") as src:
+            out.write(len(blob).to_bytes(8, "little"))
+            out.write(blob)
+            shutil.copyfileobj(src, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        if tmp.stat().st_size != 8 + len(blob) + size:
+            raise OSError(f"short write of {tmp}")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+        data.unlink(missing_ok=True)
 
 
 _ST_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32", np.dtype(np.int8): "I8"}
-
-
-def _stream_safetensors(path: Path, arrays: list[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, arr in arrays:
-        size = arr.nbytes
-        pad = -offset % 32  # 32-byte aligned planes for aligned vector loads
-        if pad:
-            header[f"__pad{offset}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad]}
-            offset += pad
-        header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % 32)
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        written = 0
-        for name, arr in arrays:
-            pad = -written % 32
-            f.write(b"\0" * pad)
-            f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
-            written += pad + arr.nbytes
-        f.flush()
-        os.fsync(f.fileno())
-    if path.stat().st_size != 8 + len(blob) + offset:
-        raise OSError(f"short write of {path}")
 
 
 def gguf_sources(folder: Path) -> list[Path]:
