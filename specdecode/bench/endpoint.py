@@ -18,7 +18,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.bench.runner import Contestant
@@ -43,6 +43,7 @@ class StreamResult:
     total_s: float
     finish_reason: str
     token_count_source: str  # "usage" (reported by the server) or "chunks" (counted here)
+    token_ids: list[int] = field(default_factory=list)  # only from servers that report them (llama.cpp)
 
 
 def endpoint_url(base: str, api: str) -> str:
@@ -69,13 +70,18 @@ def render_for(api: str):
 
 
 def endpoint_contestant(url: str, model: str, api: str, timeout: float,
-                        notes: dict[str, Any] | None = None) -> Contestant:
-    """A contestant that sends each request to ``url``; ``notes`` records how tokens were counted."""
+                        notes: dict[str, Any] | None = None, *, extra: dict[str, Any] | None = None,
+                        name: str = "endpoint", method: str = "endpoint", kind: str = "endpoint") -> Contestant:
+    """A contestant that sends each request to ``url``; ``notes`` records how tokens were counted.
+
+    ``extra`` adds server-specific fields to every request body (the llama.cpp peer asks for its
+    token ids with them); ``name``, ``method`` and ``kind`` label its rows.
+    """
 
     def generate(prompt: Any, params: SamplingParams) -> GenerationOutput:
         payload: dict[str, Any] = {"model": model, "max_tokens": params.max_tokens,
                                    "temperature": params.temperature, "stream": True,
-                                   "stream_options": {"include_usage": True}}
+                                   "stream_options": {"include_usage": True}, **(extra or {})}
         payload["messages" if api == "chat" else "prompt"] = prompt
         if params.top_p < 1.0:
             payload["top_p"] = params.top_p
@@ -86,10 +92,14 @@ def endpoint_contestant(url: str, model: str, api: str, timeout: float,
             notes.setdefault("token_count_source", res.token_count_source)
         stats = RequestStats(prompt_tokens=res.prompt_tokens or 0, completion_tokens=res.completion_tokens,
                              ttft_s=res.ttft_s or 0.0, total_s=res.total_s)
-        return GenerationOutput(text=res.text, token_ids=[], finish_reason=res.finish_reason,
-                                prompt_token_ids=[], method="endpoint", stats=stats)
+        return GenerationOutput(text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason,
+                                prompt_token_ids=prompt if _is_token_ids(prompt) else [], method=method, stats=stats)
 
-    return Contestant("endpoint", "endpoint", None, "endpoint", generate)
+    return Contestant(name, method, None, kind, generate)
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
 
 
 def stream_completion(url: str, payload: dict[str, Any], timeout: float, api: str = "chat") -> StreamResult:
@@ -142,6 +152,7 @@ def _consume(events: Iterator[str], start: float, api: str) -> StreamResult:
     ttft: float | None = None
     usage: dict[str, Any] | None = None
     finish = ""
+    token_ids: list[int] = []
     for data in events:
         if data.strip() == "[DONE]":
             break
@@ -152,6 +163,7 @@ def _consume(events: Iterator[str], start: float, api: str) -> StreamResult:
         if "error" in chunk:
             raise EndpointError(f"the server reported an error: {json.dumps(chunk['error'])[:300]}")
         usage = chunk.get("usage") or usage
+        token_ids += (chunk.get("__verbose") or {}).get("tokens") or []  # llama.cpp's, when asked for
         for choice in chunk.get("choices") or []:
             text = (choice.get("delta") or {}).get("content") if api == "chat" else choice.get("text")
             if text:
@@ -166,4 +178,5 @@ def _consume(events: Iterator[str], start: float, api: str) -> StreamResult:
         text="".join(pieces), completion_tokens=usage["completion_tokens"] if counted else chunks,
         prompt_tokens=(usage or {}).get("prompt_tokens"), ttft_s=ttft, total_s=total,
         finish_reason=finish or "length", token_count_source="usage" if counted else "chunks",
+        token_ids=token_ids,
     )

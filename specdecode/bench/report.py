@@ -62,24 +62,30 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> str:
     """The summary as tables a person reads: methods, peers, categories, advice, failures."""
     lines = _header(summary)
-    lines += ["", "| method | K | tok/s | vs none | vs HF | tau | tokens/forward | acceptance | TTFT s | TPOT ms "
-              "| identical | limit tok/s | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    llama = any("speedup_vs_llamacpp" in m for m in summary["methods"].values())
+    lines += ["", "| method | K | tok/s | vs none | vs HF " + ("| vs llama.cpp " if llama else "")
+              + "| tau | tokens/forward | acceptance | TTFT s | TPOT ms | identical | limit tok/s | efficiency |",
+              "|---|---|---|---|---" + ("|---" if llama else "") + "|---|---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():
+        versus = f"| {_fmt(m.get('speedup_vs_llamacpp'), '.2f', 'x')} " if llama else ""
         lines.append(
             f"| {name} | {_fmt(m.get('k'), 'd')} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup_vs_none'], '.2f', 'x')} "
-            f"| {_fmt(m.get('speedup_vs_hf'), '.2f', 'x')} | {_fmt(m['mean_acceptance_length'])} "
+            f"| {_fmt(m.get('speedup_vs_hf'), '.2f', 'x')} {versus}| {_fmt(m['mean_acceptance_length'])} "
             f"| {_fmt(m.get('mean_accepted_tokens'))} | {_fmt(m['acceptance_rate'], '.0%')} | {_fmt(m['ttft_s'])} | {_fmt(_ms(m['tpot_s']), '.0f')} "
             f"| {_fmt(m['identical_to_none'])} | {_fmt(m.get('limit_tokens_per_s'))} | {_fmt(m.get('efficiency'), '.0%')} |"
         )
     if summary.get("peers"):
-        lines += ["", "## Peers: Hugging Face transformers, same weights and dtype", "",
-                  "| peer | tok/s | vs our none | TTFT s | TPOT ms | identical to ours | settings |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "## Peers: other engines on the same models", "",
+                  "| peer | tok/s | vs our none | TTFT s | TPOT ms | identical to ours | tokens agreeing "
+                  "| first divergences | settings |", "|---|---|---|---|---|---|---|---|---|"]
         for name, p in summary["peers"].items():
             settings = ", ".join(f"{k}={v}" for k, v in p.get("settings", {}).items())
+            agreeing = (f"{p['agreed_tokens']}/{p['compared_tokens']} ({p['agreement']:.0%})"
+                        if p.get("agreement") is not None else "-")
+            parted = ", ".join(map(str, p.get("first_divergences") or [])) or "-"
             lines.append(f"| {name} | {_fmt(p['tokens_per_s'])} | {_fmt(p['speedup_vs_none'], '.2f', 'x')} "
                          f"| {_fmt(p['ttft_s'])} | {_fmt(_ms(p['tpot_s']), '.0f')} | {_fmt(p['identical_to_ours'])} "
-                         f"| {settings} |")
+                         f"| {agreeing} | {parted} | {settings} |")
     lines += _category_table(summary)
     lines += _advice_lines(summary)
     lines += _failure_lines(summary)
@@ -115,12 +121,12 @@ def _header(summary: dict[str, Any]) -> list[str]:
     return lines + ["", " ".join(notes)]
 
 
-def _category_table(summary: dict[str, Any]) -> list[str]:
+def _category_table(summary: dict[str, Any], key: str = "speedup_vs_none", against: str = "none") -> list[str]:
     cats = summary.get("per_category", {})
-    names = [n for n in list(summary["methods"]) + list(summary.get("peers", {})) if n != "none"]
+    names = [n for n in list(summary["methods"]) + list(summary.get("peers", {})) if n != against]
     if not cats or not names:
         return []
-    lines = ["", "## Speedup vs none per category (tau in brackets)", "",
+    lines = ["", f"## Speedup vs {against} per category (tau in brackets)", "",
              "| category | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for cat, entries in cats.items():
         cells = []
@@ -130,8 +136,10 @@ def _category_table(summary: dict[str, Any]) -> list[str]:
                 cells.append("–")
                 continue
             tau = e.get("mean_acceptance_length")
-            cells.append(_fmt(e["speedup_vs_none"], ".2f", "x") + (f" ({tau:.2f})" if tau else ""))
+            cells.append(_fmt(e.get(key), ".2f", "x") + (f" ({tau:.2f})" if tau else ""))
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    if key == "speedup_vs_none" and any("speedup_vs_llamacpp" in e for c in cats.values() for e in c.values()):
+        lines += _category_table(summary, "speedup_vs_llamacpp", "llamacpp_target")
     return lines
 
 

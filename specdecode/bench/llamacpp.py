@@ -1,0 +1,177 @@
+"""llama.cpp as a benchmark peer: its own ``llama-server`` on the same GGUF files.
+
+llama.cpp is what CPU users run, so it is the peer that decides whether specdecode is worth
+using on a CPU. Two contestants, each a ``llama-server`` process started for the bench and
+stopped after it: ``llamacpp_target`` (plain decoding) and, with a draft model,
+``llamacpp_draft`` (its draft-model mode, ``--spec-type draft-simple``, with llama.cpp's default
+draft settings unless ``--llamacpp-args`` says otherwise).
+
+Both are benchmarked through the same streaming HTTP client as ``--endpoint`` (TTFT, TPOT,
+tokens/s), interleaved with our methods on the same prompts. Each request sends our chat
+template's token ids to ``/v1/completions``, so both engines start from the same tokens, and asks
+for the generated token ids back (``return_tokens`` in llama.cpp's ``__verbose`` field), so the
+report can say how many tokens of its greedy output agree with ours. They need not all agree:
+llama.cpp quantizes activations differently, so its model is a slightly different function of
+the same weights, and where two near-tied logits swap, the continuations part.
+``cache_prompt`` is off: our engine keeps no prompt cache between requests, so neither may.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.endpoint import endpoint_contestant, endpoint_url
+from specdecode.bench.peers import PeerUnavailableError
+from specdecode.bench.runner import Contestant
+from specdecode.files import file_lock
+
+PLAIN, DRAFT = "llamacpp_target", "llamacpp_draft"
+STARTUP_TIMEOUT_S = 600.0
+# llama.cpp-specific request fields: token ids back, a fresh prompt evaluation each request.
+REQUEST_EXTRA = {"return_tokens": True, "verbose": True, "cache_prompt": False}
+
+
+def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
+    """The single GGUF file llama.cpp loads for a converted model folder.
+
+    Catalog models ship their GGUF as byte-split parts (PyPI's size limit); llama.cpp needs one
+    file, so the parts are joined once into ``$SPECDECODE_HOME/peers/gguf/`` (atomically).
+    """
+    from specdecode.errors import UnsupportedModelError
+    from specdecode.models.catalog import specdecode_home
+    from specdecode.models.gguf_native import gguf_sources
+
+    try:
+        sources = gguf_sources(model_dir)
+    except UnsupportedModelError:
+        raise PeerUnavailableError(f"llama.cpp runs GGUF files and {model_dir} was not converted from one; "
+                                   "pass a catalog model or a .gguf file to compare with llama.cpp") from None
+    if len(sources) == 1:
+        return sources[0]
+    size = sum(s.stat().st_size for s in sources)
+    target = specdecode_home() / "peers" / "gguf" / f"{model_dir.name}.gguf"
+    with file_lock(target.with_name(f".{target.name}.lock"), f"joining {target.name}", progress):
+        if target.is_file() and target.stat().st_size == size:
+            return target
+        partial = target.with_name(f".{target.name}.partial")
+        with open(partial, "wb") as out:
+            for source in sources:
+                with open(source, "rb") as part:
+                    shutil.copyfileobj(part, out, 16 << 20)
+        os.replace(partial, target)
+    return target
+
+
+class LlamaServer:
+    """One ``llama-server`` process on a free loopback port, ready when ``start`` returns."""
+
+    def __init__(self, binary: Path, args: Sequence[str], log_path: Path,
+                 startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
+        self.binary, self.args, self.log_path = binary, list(args), log_path
+        self.startup_timeout = startup_timeout
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return [str(self.binary), *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def start(self) -> LlamaServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PeerUnavailableError(f"llama-server exited with status {self.process.returncode} while "
+                                           f"starting:\n{self._log_tail()}")
+            if self._healthy():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise PeerUnavailableError(f"llama-server did not become ready within {self.startup_timeout:g} s; "
+                                   f"see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False  # not listening yet, or 503 while the model loads
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return f"(no log at {self.log_path})"
+
+
+def llamacpp_contestants(
+    binary: Path, target_gguf: Path, draft_gguf: Path | None, *, threads: int, context: int, log_dir: Path,
+    stack: ExitStack, timeout: float, extra_args: Sequence[str] = (), progress: bool = True,
+) -> tuple[list[Contestant], dict[str, dict[str, Any]]]:
+    """Start the servers (stopped when ``stack`` closes) and return their contestants and settings."""
+    common = ["-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--no-webui"]
+    specs = [(PLAIN, ["-m", str(target_gguf), *common])]
+    if draft_gguf is not None:
+        specs.append((DRAFT, ["-m", str(target_gguf), *common, "-md", str(draft_gguf), "-td", str(threads),
+                              "--spec-type", "draft-simple"]))
+    version = server_version(binary)
+    contestants, settings = [], {}
+    for name, args in specs:
+        args = [*args, *extra_args]
+        if progress:
+            print(f"bench: starting {name}: {binary.name} {shlex.join(args)}", file=sys.stderr, flush=True)
+        server = LlamaServer(binary, args, log_dir / f"{name}.log")
+        stack.callback(server.stop)
+        server.start()
+        method = "draft_model" if name == DRAFT else "none"
+        url = endpoint_url(server.url, "completions")
+        contestants.append(endpoint_contestant(url, name, "completions", timeout, extra=REQUEST_EXTRA, name=name,
+                                               method=method, kind="peer"))
+        settings[name] = {"library": f"llama.cpp {version}", "weights": "the same GGUF file(s)",
+                          "command": shlex.join(server.command), "request": json.dumps(REQUEST_EXTRA)}
+    return contestants, settings
+
+
+def server_version(binary: Path) -> str:
+    """``llama-server --version``'s build line (it prints to stderr), or "unknown"."""
+    try:
+        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    for line in (done.stdout + done.stderr).splitlines():
+        if line.startswith("version:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
