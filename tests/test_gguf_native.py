@@ -78,6 +78,35 @@ def test_multi_part_call_equals_separate_calls() -> None:
     assert torch.equal(fused, torch.cat([kernel.linear_gguf(x, [p.part]) for p in parts], dim=1))
 
 
+@pytest.mark.parametrize("pre", ["rms", "glu"])
+def test_fused_input_transforms_and_residual(pre: str) -> None:
+    """RMS norm or silu(gate) * up fused before the product equals doing them first (up to the
+    kernel's own rounding of the transform), a residual is added exactly, and rows stay
+    bitwise invariant in both builds."""
+    w, _, _ = _weight("Q4_K", 24, 512, seed=4)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 1024 if pre == "glu" else 512, generator=g) * 3
+    norm = torch.rand(512, generator=g) + 0.5
+    residual = torch.randn(9, 24, generator=g)
+    code, kwargs = (1, dict(norm=norm, eps=1e-6)) if pre == "rms" else (2, {})
+    if pre == "rms":
+        first = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+    else:
+        first = torch.nn.functional.silu(x[:, :512]) * x[:, 512:]
+    results = []
+    for build in _builds():
+        plain = build.linear_gguf(first.contiguous(), [w.part])
+        fused = build.linear_gguf(x, [w.part], code, kwargs.get("norm"), kwargs.get("eps", 0.0))
+        assert (fused - plain).norm() / plain.norm() < REL_TOL, (pre, build.avx2())
+        added = build.linear_gguf(x, [w.part], code, kwargs.get("norm"), kwargs.get("eps", 0.0), residual)
+        assert torch.equal(added, residual + fused)
+        alone = torch.cat([build.linear_gguf(x[i : i + 1].contiguous(), [w.part], code, kwargs.get("norm"),
+                                             kwargs.get("eps", 0.0)) for i in range(9)])
+        assert torch.equal(fused, alone)
+        results.append(fused)
+    assert all(torch.equal(results[0], r) for r in results[1:]), "the AVX2 and portable builds differ"
+
+
 def test_extreme_activations_and_zero_rows() -> None:
     w, _, ref = _weight("Q6_K", 8, 256)
     x = torch.zeros(3, 256)

@@ -72,6 +72,9 @@ class Decoder:
         )
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)  # HF also rotates in the model dtype
         self._fused = None  # an int4 draft's whole decode-row forward in one native call
+        self._attend = _attend  # native GGUF models: _attend_rows
+        self._steps: _TorchSteps | _GGUFSteps = _TorchSteps(
+            kernels.rms_norm if batch_invariant else kernels.rms_norm_fast, config.rms_norm_eps)
         if quantize is not None:
             self._quantize(quantize)
 
@@ -114,9 +117,12 @@ class Decoder:
         if dtype != "float32":
             raise InvalidConfigError(f"native GGUF weights compute in float32 activations, not {dtype!r}")
         native.load_gguf()  # built (or refused, by name) now rather than at the first forward
+        native.load_attention()
         packed = gguf_load.decoder_weights(gguf_load.native_weights(sources, progress), config)
         model = cls(config, packed, torch.float32, batch_invariant)
         model._linear = kernels.linear_gguf
+        model._attend = _attend_rows
+        model._steps = _GGUFSteps(config.rms_norm_eps)
         return model
 
     def _quantize(self, mode: str) -> None:
@@ -207,8 +213,7 @@ class Decoder:
         if last_only:
             ends = torch.tensor([v.n for v in views]).cumsum(0) - 1
             x = x[ends]
-        x = kernels.rms_norm(x, self.norm, cfg.rms_norm_eps)
-        logits = linear(x, self.lm_head).float()
+        logits = self._steps.norm_linear(linear, x, self.norm, self.lm_head).float()
         return list(logits.split(1 if last_only else [v.n for v in views]))
 
     def _embed(self, tokens: Tensor) -> Tensor:
@@ -250,15 +255,9 @@ class Decoder:
         cfg = self.config
         n, hq, hkv, d = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         scale = 1.0 / math.sqrt(d)
-        rms_norm = kernels.rms_norm if self.batch_invariant else kernels.rms_norm_fast
-        h = rms_norm(x, w.in_norm, cfg.rms_norm_eps)
-        qkv = linear(h, w.qkv)
-        if w.qkv_bias is not None:
-            qkv = qkv + w.qkv_bias
-        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-        q = kernels.apply_rope(q.view(n, hq, d), cos, sin)
-        k = kernels.apply_rope(k.view(n, hkv, d), cos, sin)
-        v = v.view(n, hkv, d)
+        steps = self._steps
+        qkv = steps.norm_linear(linear, x, w.in_norm, w.qkv)
+        q, k, v = steps.rope(qkv, w.qkv_bias, cos, sin, hq, hkv)
         outs, row = [], 0
         for seg in views:
             rows = slice(row, row + seg.n)
@@ -267,21 +266,74 @@ class Decoder:
                 outs.append(_attend_fast(q[rows], k[rows], v[rows], seg.cache, i, seg.start, scale))
                 continue
             if seg.branches is None:
-                outs.append(_attend(q[rows], k[rows], v[rows], seg.cache, i, seg.start, seg.span, seg.bias, scale))
+                outs.append(self._attend(q[rows], k[rows], v[rows], seg.cache, i, seg.start, seg.span, seg.bias,
+                                         scale))
                 continue
             node_k, node_v = seg.cache.node_k, seg.cache.node_v
             node_k[i, :, : seg.n] = k[rows].transpose(0, 1)
             node_v[i, :, : seg.n] = v[rows].transpose(0, 1)
             out = q.new_empty(seg.n, hq * d)
             for path, span, bias in seg.branches:  # each branch in the slots after the cache
-                out[path] = _attend(q[rows][path], k[rows][path], v[rows][path], seg.cache, i, seg.start,
-                                    span, bias, scale)
+                out[path] = self._attend(q[rows][path], k[rows][path], v[rows][path], seg.cache, i, seg.start,
+                                         span, bias, scale)
             outs.append(out)
         attn = torch.cat(outs) if len(outs) > 1 else outs[0]
-        x = x + linear(attn, w.o)
-        h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
-        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + linear(torch.nn.functional.silu(gate) * up, w.down)
+        x = steps.linear_add(linear, attn, w.o, x)
+        gate_up = steps.norm_linear(linear, x, w.post_norm, w.gate_up)
+        return steps.glu_linear_add(linear, gate_up, w.down, x)
+
+
+class _TorchSteps:
+    """A layer's steps around its matrix products, as torch ops: RMS norm then ``linear``; a
+    residual add; silu(gate) * up then ``linear``."""
+
+    def __init__(self, rms_norm, eps: float) -> None:
+        self.rms_norm, self.eps = rms_norm, eps
+
+    def norm_linear(self, linear, x: Tensor, norm: Tensor, w) -> Tensor:
+        return linear(self.rms_norm(x, norm, self.eps), w)
+
+    def linear_add(self, linear, x: Tensor, w, residual: Tensor) -> Tensor:
+        return residual + linear(x, w)
+
+    def glu_linear_add(self, linear, gate_up: Tensor, w, residual: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return residual + linear(torch.nn.functional.silu(gate) * up, w)
+
+    def rope(self, qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, hq: int,
+             hkv: int) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [N, heads, d] of a fused q|k|v: bias added, RoPE on q and k."""
+        if bias is not None:
+            qkv = qkv + bias
+        n, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        q = kernels.apply_rope(q.view(n, hq, d), cos, sin)
+        k = kernels.apply_rope(k.view(n, hkv, d), cos, sin)
+        return q, k, v.view(n, hkv, d)
+
+
+class _GGUFSteps:
+    """The same steps for native GGUF models, each one call of the GGUF kernel with the norm,
+    the gated activation or the residual add fused in (``kernels.linear_gguf``): a decode step
+    of the 1.5B target made some 200 small torch calls for them."""
+
+    def __init__(self, eps: float) -> None:
+        self.eps = eps
+
+    def norm_linear(self, linear, x: Tensor, norm: Tensor, w) -> Tensor:
+        return kernels.linear_gguf(x, w, norm=norm, eps=self.eps)
+
+    def linear_add(self, linear, x: Tensor, w, residual: Tensor) -> Tensor:
+        return kernels.linear_gguf(x, w, residual=residual.contiguous())
+
+    def glu_linear_add(self, linear, gate_up: Tensor, w, residual: Tensor) -> Tensor:
+        return kernels.linear_gguf(gate_up, w, glu=True, residual=residual.contiguous())
+
+    def rope(self, qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, hq: int,
+             hkv: int) -> tuple[Tensor, Tensor, Tensor]:
+        n, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
+        q, k, v = kernels.rope_qkv(qkv, bias, cos, sin, hq, hkv).split((hq * d, hkv * d, hkv * d), dim=-1)
+        return q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, start: int, span: int,
@@ -296,6 +348,16 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, start: 
     qg = q.reshape(n, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
     attn = kernels.attention(qg, cache.k[layer, :, :span], cache.v[layer, :, :span], bias, scale)
     return attn.view(hkv, hq // hkv, n, d).permute(2, 0, 1, 3).reshape(n, hq * d)
+
+
+def _attend_rows(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, start: int, span: int,
+                 bias: Tensor, scale: float) -> Tensor:
+    """``_attend`` through the row-wise native kernel (``kernels.attention_rows``), which needs no
+    key span or mask: each row's causal window follows from its slot."""
+    n = q.shape[0]
+    cache.k[layer, :, start : start + n] = k.transpose(0, 1)
+    cache.v[layer, :, start : start + n] = v.transpose(0, 1)
+    return kernels.attention_rows(q, cache.k[layer], cache.v[layer], start, scale)
 
 
 def _attend_fast(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, start: int,

@@ -99,12 +99,36 @@ def linear_int8(x: Tensor, w: "Int8Rows", invariant: bool = False) -> Tensor:
     return kernel.linear_rows_int8(x.contiguous(), w.q, w.scale)
 
 
-def linear_gguf(x: Tensor, w: "GGUFLinear", invariant: bool = False) -> Tensor:
+def linear_gguf(x: Tensor, w: "GGUFLinear", invariant: bool = False, *, norm: Tensor | None = None,
+                eps: float = 0.0, glu: bool = False, residual: Tensor | None = None) -> Tensor:
     """``x @ w.T`` for GGUF-quantized weights run as shipped (``csrc/linear_gguf.cpp``): every
-    row count, prefills included, takes the same integer kernel, so ``invariant`` holds anyway."""
+    row count, prefills included, takes the same integer kernel, so ``invariant`` holds anyway.
+
+    Fused in the same call, row by row: ``norm`` (RMS-normalize x with these weights and ``eps``
+    first), ``glu`` (x is gate|up: multiply silu(gate) * up) and ``residual`` (added to the result).
+    """
     from specdecode.models import native
 
-    return native.load_gguf().linear_gguf(x.float().contiguous(), w.args)
+    pre = 1 if norm is not None else 2 if glu else 0
+    return native.load_gguf().linear_gguf(x.float().contiguous(), w.args, pre, norm, eps, residual)
+
+
+def attention_rows(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+    """Causal grouped-query attention of rows at cache slots ``start..`` (``csrc/attention_rows.cpp``):
+    row i sees keys 0..start+i of ``k``/``v`` [kv_heads, capacity, d], which already hold the rows'
+    own. Each row is computed alone in a fixed order, so it is batch-invariant by construction.
+    q: [N, Hq, d] -> [N, Hq*d]."""
+    from specdecode.models import native
+
+    return native.load_attention().attention_rows(q.contiguous(), k, v, start, scale)
+
+
+def rope_qkv(qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, hq: int, hkv: int) -> Tensor:
+    """``qkv + bias`` with ``apply_rope`` on its q and k heads, in one native call with the same
+    bits (``csrc/attention_rows.cpp``). qkv: [N, (hq + 2 hkv) d]; cos/sin: [N, d]."""
+    from specdecode.models import native
+
+    return native.load_attention().rope_qkv(qkv, bias, cos.contiguous(), sin.contiguous(), hq, hkv)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -25,6 +25,7 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "linear_rows.cpp"
 INT4_SOURCE = Path(__file__).parent / "csrc" / "linear_int4.cpp"
 GGUF_SOURCE = Path(__file__).parent / "csrc" / "linear_gguf.cpp"
+ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "attention_rows.cpp"
 
 
 def _cpu_flags() -> set[str]:
@@ -118,13 +119,28 @@ def load_gguf(portable: bool | None = None) -> ModuleType:
     return _build(GGUF_SOURCE, "linear_gguf", flags, failed)
 
 
+@functools.cache
+def load_attention(portable: bool | None = None) -> ModuleType:
+    """The row-wise attention (``csrc/attention_rows.cpp``) native GGUF models use, built like the
+    GGUF kernel (same flags, same refusal naming ``--quantize none``)."""
+    from specdecode.errors import UnsupportedModelError
+
+    def failed(reason: str) -> None:
+        raise UnsupportedModelError(f"the native attention kernel is unavailable: {reason}; "
+                                    "run the model dequantized with --quantize none")
+
+    return _build(ATTENTION_SOURCE, "attention_rows", gguf_flags(portable), failed)
+
+
 def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType | None:
     """Compile ``source`` once per (source, torch, flags) into the kernels folder and load it."""
     from torch.utils import cpp_extension
 
     from specdecode.models.catalog import specdecode_home
 
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + str(flags).encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what sources include
+    key = source.read_bytes() + headers + torch.__version__.encode() + str(flags).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     root = os.environ.get("SPECDECODE_KERNELS") or specdecode_home() / "kernels"
     build = Path(root) / digest
     build.mkdir(parents=True, exist_ok=True)

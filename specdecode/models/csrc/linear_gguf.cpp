@@ -28,9 +28,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "lanes.h"
 
 namespace {
 
@@ -387,6 +385,55 @@ void output_rows(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystr
 }
 #endif
 
+// ---- Input transforms, fused so a layer's norms and gated activation cost no torch calls. ------
+// Each works on one row in a fixed order with ``lanes::V8`` (the same bits in both builds).
+
+// RMS norm: x * (1 / sqrt(mean(x^2) + eps)) * weight; the sum of squares as an 8-lane FMA chain.
+void rms_row(const float* x, const float* weight, int64_t in, float eps, float* y) {
+    using namespace lanes;
+    V8 ss = splat(0.f);
+    for (int64_t k = 0; k < in; k += 8) {
+        const V8 v = load(x + k);
+        ss = fma(v, v, ss);
+    }
+    const float inv = 1.f / std::sqrt(reduce8(ss) / static_cast<float>(in) + eps);
+    for (int64_t k = 0; k < in; k += 8) store(y + k, mul(load(weight + k), mul(load(x + k), splat(inv))));
+}
+
+// SiLU-gated product of a gate|up row: silu(g) * u, silu(g) = g * sigmoid(g) with
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows).
+void glu_row(const float* gate_up, int64_t in, float* y) {
+    using namespace lanes;
+    for (int64_t k = 0; k < in; k += 8) {
+        const V8 g = load(gate_up + k), u = load(gate_up + in + k);
+        const V8 e = exp8(neg_abs(g));
+        const V8 one = splat(1.f);
+        const V8 sig = select_nonneg(g, div(one, add(one, e)), div(e, add(one, e)));
+        store(y + k, mul(mul(g, sig), u));
+    }
+}
+
+enum Pre : int64_t { PRE_NONE = 0, PRE_RMS = 1, PRE_GLU = 2 };
+
+// The rows the kernel multiplies: x itself, or x transformed row by row into ``buf``.
+const float* prepare(const torch::Tensor& x, int64_t pre, const torch::Tensor& norm, double eps, int64_t in,
+                     std::vector<float>& buf) {
+    if (pre == PRE_NONE) return x.data_ptr<float>();
+    const int64_t n = x.size(0), width = x.size(1);
+    TORCH_CHECK(in % 8 == 0, "fused input transforms need a multiple of 8 inputs, got ", in);
+    buf.resize(n * in);
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            if (pre == PRE_RMS)
+                rms_row(xp + r * width, norm.data_ptr<float>(), in, static_cast<float>(eps), buf.data() + r * in);
+            else
+                glu_row(xp + r * width, in, buf.data() + r * in);
+        }
+    });
+    return buf.data();
+}
+
 const uint8_t* bytes(const torch::Tensor& t) { return t.numel() ? static_cast<const uint8_t*>(t.data_ptr()) : nullptr; }
 const float* floats(const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
 
@@ -403,10 +450,20 @@ Part make_part(int type, int64_t out, int64_t in, const std::vector<torch::Tenso
 
 }  // namespace
 
-// y [n, sum of parts' out] = x [n, in] @ concat(parts).T; each part: (type, out, planes).
-torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<int64_t, int64_t, std::vector<torch::Tensor>>>& parts) {
+// y [n, sum of parts' out] = residual + T(x) @ concat(parts).T; each part: (type, out, planes).
+// T (``pre``): none; RMS norm with ``norm`` weights and ``eps``; or the SiLU-gated product of
+// x = [gate | up] (x has twice the parts' inputs). ``residual`` [n, out], when given, is added to
+// each output after its dot product.
+torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<int64_t, int64_t, std::vector<torch::Tensor>>>& parts,
+                          int64_t pre, const c10::optional<torch::Tensor>& norm_opt, double eps,
+                          const c10::optional<torch::Tensor>& residual_opt) {
+    const torch::Tensor norm = norm_opt.value_or(torch::Tensor()), residual = residual_opt.value_or(torch::Tensor());
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [n, in] float32");
-    const int64_t n = x.size(0), in = x.size(1);
+    TORCH_CHECK(pre == PRE_NONE || pre == PRE_RMS || pre == PRE_GLU, "pre must be 0 (none), 1 (rms) or 2 (glu)");
+    const int64_t n = x.size(0), in = pre == PRE_GLU ? x.size(1) / 2 : x.size(1);
+    TORCH_CHECK(pre != PRE_GLU || x.size(1) == 2 * in, "a gated input has an even width");
+    TORCH_CHECK(pre != PRE_RMS || (norm.defined() && norm.numel() == in && norm.is_contiguous() && norm.scalar_type() == torch::kFloat32),
+                "the norm weight must be [in] float32");
     std::vector<Part> ws;
     int64_t total = 0;
     bool need_k = false, need_32 = false;
@@ -415,10 +472,16 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<i
         total += out;
         (is_k(static_cast<int>(type)) ? need_k : need_32) = true;
     }
+    const bool add = residual.defined();
+    TORCH_CHECK(!add || (residual.dim() == 2 && residual.size(0) == n && residual.size(1) == total &&
+                         residual.is_contiguous() && residual.scalar_type() == torch::kFloat32),
+                "the residual must be [n, out] float32");
     auto y = torch::empty({n, total}, x.options());
     if (n == 0) return y;
-    const Acts ak = need_k ? quantize(x.data_ptr<float>(), n, in, 256) : Acts{};
-    const Acts a32 = need_32 ? quantize(x.data_ptr<float>(), n, in, 32) : Acts{};
+    std::vector<float> buf;
+    const float* xs = prepare(x, pre, norm, eps, in, buf);
+    const Acts ak = need_k ? quantize(xs, n, in, 256) : Acts{};
+    const Acts a32 = need_32 ? quantize(xs, n, in, 32) : Acts{};
     std::vector<int64_t> starts{0};
     for (const auto& w : ws) starts.push_back(starts.back() + w.out);
     float* yp = y.data_ptr<float>();
@@ -430,6 +493,10 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<i
             output_rows(w, is_k(w.type) ? ak : a32, col - starts[p], yp, total, col);
         }
     });
+    if (add) {  // one float add per output, after its dot product: rows stay independent
+        const float* rp = residual.data_ptr<float>();
+        for (int64_t i = 0; i < n * total; ++i) yp[i] = rp[i] + yp[i];
+    }
     return y;
 }
 
@@ -474,7 +541,10 @@ bool avx2() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("linear_gguf", &linear_gguf, "batch-invariant x @ W.T with W in GGUF block formats, as (type, out, planes) parts");
+    m.def("linear_gguf", &linear_gguf, "batch-invariant residual + T(x) @ W.T with W in GGUF block formats, as (type, "
+          "out, planes) parts; T: 0 none, 1 RMS norm, 2 SiLU-gated",
+          py::arg("x"), py::arg("parts"), py::arg("pre") = 0, py::arg("norm") = py::none(), py::arg("eps") = 0.0,
+          py::arg("residual") = py::none());
     m.def("dequantize_rows", &dequantize_rows, "float rows of a GGUF-quantized weight");
     m.def("avx2", &avx2, "whether this build uses AVX2 (else the portable C++ build)");
 }
