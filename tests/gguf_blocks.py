@@ -37,9 +37,10 @@ def dequantized(raw: np.ndarray, type_name: str, out: int, inp: int) -> np.ndarr
 
 
 def write_model_gguf(path: Path, types: dict[str, str], hidden: int = 256, inter: int = 512, layers: int = 2,
-                     seed: int = 0, tied: bool = False) -> None:
+                     seed: int = 0, tied: bool = False, output_scale: float = 0.3) -> None:
     """A tiny qwen2 GGUF whose matrices have the types ``types`` maps GGUF-name substrings to
-    (default Q8_0), with the byte tokenizer of ``test_gguf_convert``."""
+    (default Q8_0), with the byte tokenizer of ``test_gguf_convert``. Its logits spread by about
+    600 * ``output_scale`` (the default makes greedy choices clear-cut; sampling tests want less)."""
     from tests.test_gguf_convert import CHATML, tiny_vocab
 
     rng = np.random.default_rng(seed)
@@ -66,7 +67,7 @@ def write_model_gguf(path: Path, types: dict[str, str], hidden: int = 256, inter
 
     matrix("token_embd.weight", vocab, hidden, 1.0)
     if not tied:
-        matrix("output.weight", vocab, hidden, 0.3)
+        matrix("output.weight", vocab, hidden, output_scale)
     vector("output_norm.weight", hidden)
     for i in range(layers):
         b = f"blk.{i}."

@@ -195,3 +195,16 @@ def test_f16_gguf_defaults_to_float_and_native_is_refused_by_name(tmp_path: Path
     assert llm.quantize is None and "dequantized to float32" in capsys.readouterr().err
     with pytest.raises(UnsupportedModelError, match=r"token_embd\.weight is F16.*--quantize none"):
         LLM(model=str(path), max_seq_len=128, progress=False, quantize="native")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "tree"])
+def test_native_sampling_follows_the_exact_target_distribution(tmp_path: Path, method: str) -> None:
+    """The shared sampling-law test on a natively quantized pair: chain and tree verification."""
+    from tests.test_sampling_lossless import _prompt_with_likely_continuations, assert_sampled_joint_is_exact
+
+    write_model_gguf(tmp_path / "target.gguf", MIXED, seed=3, output_scale=0.003)
+    write_model_gguf(tmp_path / "draft.gguf", {"": "Q8_0"}, seed=4, output_scale=0.003)
+    llm = LLM(model=str(tmp_path / "target.gguf"), draft=str(tmp_path / "draft.gguf"), max_seq_len=300,
+              progress=False)
+    ids = _prompt_with_likely_continuations(llm, SamplingParams(max_tokens=3, temperature=1.0, top_k=3))
+    assert_sampled_joint_is_exact(llm, ids, llm.drafter(method), trials=1000)
