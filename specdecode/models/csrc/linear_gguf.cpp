@@ -32,6 +32,8 @@
 
 namespace {
 
+constexpr int64_t COLS = 16;  // outputs per block (see rows_of)
+
 enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 bool is_k(int t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
@@ -155,8 +157,8 @@ void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_
                     lane += sc16[2 * g + (k >= 4)] * s;
                 }
                 const int32_t mlane = mn16[2 * k] * bs[2 * k] + mn16[2 * k + 1] * bs[2 * k + 1];
-                fr[k] = std::fma(static_cast<float>(lane), dw * xd, fr[k]);
-                fr[k] = std::fma(static_cast<float>(mlane), -(dm * xd), fr[k]);
+                const float t = std::fma(-static_cast<float>(mlane), dm, static_cast<float>(lane) * dw);
+                fr[k] = std::fma(t, xd, fr[k]);
             }
         }
     }
@@ -185,9 +187,9 @@ void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64
 // ---- AVX2 build: each block decoded into registers once, then applied to a tile of rows. -----
 
 #ifndef GGUF_RT
-#define GGUF_RT 4
+#define GGUF_RT 8
 #endif
-constexpr int RT = GGUF_RT;  // rows per register tile
+constexpr int RT = GGUF_RT;  // rows per tile: 8 beat 4 and 6 by 15% at 8-64 rows (1.5B, AMD EPYC)
 #ifndef GGUF_PF
 #define GGUF_PF 4096
 #endif
@@ -263,13 +265,12 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
             mscale = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16))), 5);
         else
             mscale = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)));
-        const float dw = w.d[i], dm = T == Q6_K ? dw : w.dm[i];
-        for (int r = 0; r < R; ++r) {
+        const __m256 dw = _mm256_set1_ps(w.d[i]), dm = T == Q6_K ? dw : _mm256_set1_ps(w.dm[i]);
+        for (int r = 0; r < R; ++r) {  // f += xd * (dw * sum - dm * min term)
             const int64_t ab = (r0 + r) * a.nb + b;
-            const float xd = a.d[ab];
             const __m256i m = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16)));
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(dw * xd), f[r]);
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(dm * xd)), f[r]);
+            const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), dm, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r]), dw));
+            f[r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(a.d.data() + ab), f[r]);
         }
     }
 }
@@ -350,37 +351,45 @@ void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j, int64_t r0
     }
 }
 
+// Outputs j0 .. j1-1 of one part for every row: row tile by row tile, each tile across the
+// outputs, so the tile's activations stay in L1 while the outputs' weights (a few KB each) come
+// from L2. Output by output instead, a prefill of 64 rows re-read 100 KB of activations from L2
+// for every output. Each (row, output) is computed exactly as alone.
 template <int T>
-void rows_of(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystride, int64_t col) {
+void rows_of(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
     int64_t r = 0;
-    for (; r + RT <= a.n; r += RT) tile<T, RT>(w, a, j, r, y, ystride, col);
-    tile_rest<T, RT - 1>(a.n - r, w, a, j, r, y, ystride, col);
+    for (; r + RT <= a.n; r += RT)
+        for (int64_t j = j0; j < j1; ++j) tile<T, RT>(w, a, j, r, y, ystride, col0 + j - j0);
+    for (int64_t j = j0; j < j1; ++j) tile_rest<T, RT - 1>(a.n - r, w, a, j, r, y, ystride, col0 + j - j0);
 }
 
-void output_rows(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystride, int64_t col) {
+void output_rows(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
     switch (w.type) {
-        case Q4_0: return rows_of<Q4_0>(w, a, j, y, ystride, col);
-        case Q4_1: return rows_of<Q4_1>(w, a, j, y, ystride, col);
-        case Q5_0: return rows_of<Q5_0>(w, a, j, y, ystride, col);
-        case Q5_1: return rows_of<Q5_1>(w, a, j, y, ystride, col);
-        case Q8_0: return rows_of<Q8_0>(w, a, j, y, ystride, col);
-        case Q4_K: return rows_of<Q4_K>(w, a, j, y, ystride, col);
-        case Q5_K: return rows_of<Q5_K>(w, a, j, y, ystride, col);
-        default: return rows_of<Q6_K>(w, a, j, y, ystride, col);
+        case Q4_0: return rows_of<Q4_0>(w, a, j0, j1, y, ystride, col0);
+        case Q4_1: return rows_of<Q4_1>(w, a, j0, j1, y, ystride, col0);
+        case Q5_0: return rows_of<Q5_0>(w, a, j0, j1, y, ystride, col0);
+        case Q5_1: return rows_of<Q5_1>(w, a, j0, j1, y, ystride, col0);
+        case Q8_0: return rows_of<Q8_0>(w, a, j0, j1, y, ystride, col0);
+        case Q4_K: return rows_of<Q4_K>(w, a, j0, j1, y, ystride, col0);
+        case Q5_K: return rows_of<Q5_K>(w, a, j0, j1, y, ystride, col0);
+        default: return rows_of<Q6_K>(w, a, j0, j1, y, ystride, col0);
     }
 }
 #else
 constexpr int RT = 8;
 
-void output_rows(const Part& w, const Acts& a, int64_t j, float* y, int64_t ystride, int64_t col) {
-    for (int64_t r0 = 0; r0 < a.n; r0 += RT) {
-        const int64_t rows = std::min<int64_t>(RT, a.n - r0);
-        float lanes[RT * 8] = {}, macc[RT] = {};
-        if (is_k(w.type))
-            rows_k_portable(w, a, j, r0, rows, lanes);
-        else
-            rows_32_portable(w, a, j, r0, rows, lanes, macc);
-        for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = reduce8(lanes + 8 * r) + macc[r];
+void output_rows(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
+    for (int64_t j = j0; j < j1; ++j) {
+        const int64_t col = col0 + j - j0;
+        for (int64_t r0 = 0; r0 < a.n; r0 += RT) {
+            const int64_t rows = std::min<int64_t>(RT, a.n - r0);
+            float lanes[RT * 8] = {}, macc[RT] = {};
+            if (is_k(w.type))
+                rows_k_portable(w, a, j, r0, rows, lanes);
+            else
+                rows_32_portable(w, a, j, r0, rows, lanes, macc);
+            for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = reduce8(lanes + 8 * r) + macc[r];
+        }
     }
 }
 #endif
@@ -487,10 +496,12 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<i
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, total, 8, [&](int64_t begin, int64_t end) {
         size_t p = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
-        for (int64_t col = begin; col < end; ++col) {
+        for (int64_t col = begin; col < end;) {  // blocks of COLS outputs, never across parts
             while (col >= starts[p + 1]) ++p;
+            const int64_t stop = std::min({col + COLS, end, starts[p + 1]});
             const Part& w = ws[p];
-            output_rows(w, is_k(w.type) ? ak : a32, col - starts[p], yp, total, col);
+            output_rows(w, is_k(w.type) ? ak : a32, col - starts[p], stop - starts[p], yp, total, col);
+            col = stop;
         }
     });
     if (add) {  // one float add per output, after its dot product: rows stay independent
