@@ -223,7 +223,7 @@ class Decoder:
     def _view(self, n: int, cache: KVCache, tree: Sequence[int] | None, group: int) -> _SegmentView:
         start = cache.reserve(n)
         if tree is None or all(p == i - 1 for i, p in enumerate(tree)):
-            if not self.batch_invariant:  # _attend_fast needs no key span or mask
+            if not self.batch_invariant or self._attend is _attend_rows:  # these need no key span or mask
                 return _SegmentView(cache, start, n, start + n, None)
             return _SegmentView(cache, start, n, *_chain_keys(start, n, group, self.dtype))
         if len(tree) != n or tree[0] != -1 or any(not 0 <= p < i for i, p in enumerate(tree) if i):
