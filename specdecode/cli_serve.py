@@ -43,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
                    help="let web pages from ORIGIN (e.g. http://localhost:3000, or *) call the API from a "
                         "browser; repeatable (default: none)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAME[,NAME]",
+                   help="host names clients may use to reach the server, comma-separated, or * for any; "
+                        "IP addresses and localhost always work. Other names are refused (HTTP 403) so a "
+                        "web page cannot read answers by pointing its own name at this server (DNS "
+                        "rebinding) (default: none)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
     add_draft_options(p)
     add_quantize_option(p)
@@ -68,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     scheduler = Scheduler(llm, method=args.method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue)
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
-                     max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins)
+                     max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins,
+                     allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
     if not _is_loopback(args.host) and not args.api_key:
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)

@@ -272,7 +272,7 @@ def test_disconnect_cancels_job_and_frees_slot(tiny_pair, stream):
 
 def _send_request(sock: socket.socket, body: dict) -> None:
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
 
 
@@ -554,3 +554,54 @@ def test_cors_only_for_configured_origins(tiny_pair):
     with LiveServer(create_app(llm, _FailingJobs(RuntimeError()))) as server:
         _, headers, _ = server.request("GET", "/v1/models", headers={"Origin": "http://ui.local"})
         assert "access-control-allow-origin" not in headers
+
+
+# --- a web page cannot drive the server -----------------------------------------------------
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_post_bodies_must_be_declared_json(tiny_pair, content_type):
+    """The Content-Types a page may POST cross-origin without a CORS preflight are refused."""
+    llm = load(tiny_pair)
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    with LiveServer(create_app(llm, _FailingJobs(RuntimeError()), served_model_name=MODEL)) as server:
+        headers = {"Content-Type": content_type} if content_type else {"Content-Type": ""}
+        status, _, text = server.request("POST", COMPLETIONS, raw=body, headers=headers)
+        err = assert_openai_error(status, json.loads(text), 415)
+        assert err["code"] == "unsupported_media_type"
+
+
+def test_json_with_a_charset_is_accepted(tiny_pair):
+    llm = load(tiny_pair)
+    scheduler = Scheduler(llm, method="none", k=1)
+    try:
+        with LiveServer(create_app(llm, scheduler, served_model_name=MODEL)) as server:
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            status, _, text = server.request("POST", COMPLETIONS, raw=body,
+                                             headers={"Content-Type": "Application/JSON; charset=utf-8"})
+            assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("host, allowed, ok", [
+    ("evil.example", (), False),              # a rebound name
+    ("evil.example:8000", (), False),
+    ("localhost:8000", (), True),
+    ("127.0.0.1:8000", (), True),
+    ("[::1]:8000", (), True),
+    ("10.1.2.3", (), True),                   # any IP literal: it cannot be rebound
+    ("my-box.lan:8000", ("my-box.lan",), True),
+    ("MY-BOX.LAN.", ("my-box.lan",), True),
+    ("other.lan", ("my-box.lan",), False),
+    ("anything.example", ("*",), True),
+])
+def test_host_header_is_checked_against_dns_rebinding(tiny_pair, host, allowed, ok):
+    llm = load(tiny_pair)
+    with LiveServer(create_app(llm, _FailingJobs(RuntimeError()), allowed_hosts=allowed)) as server:
+        status, _, text = server.request("GET", "/health", headers={"Host": host})
+        if ok:
+            assert status == 200
+        else:
+            err = assert_openai_error(status, json.loads(text), 403)
+            assert err["code"] == "host_not_allowed" and "--allowed-hosts" in err["message"]

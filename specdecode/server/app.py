@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -51,11 +52,16 @@ class JobScheduler(Protocol):
 
 def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               cors_origins: Sequence[str] = ()) -> FastAPI:
+               cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = ()) -> FastAPI:
     """An app serving ``llm`` through ``scheduler``. With ``api_key``, every ``/v1`` request needs
     ``Authorization: Bearer <api_key>``; ``/health`` and ``/metrics`` stay open for probes.
-    ``cors_origins``: web origins whose pages may call the API from a browser (none by default,
-    so a page the user visits cannot drive a server on their loopback)."""
+
+    A web page the user visits cannot drive the server: POST bodies must be declared
+    ``application/json``, which a page can send cross-origin only after a CORS preflight, and
+    CORS is off unless ``cors_origins`` names the pages allowed (none by default). Nor can it
+    read answers through DNS rebinding (its own host name resolved to this server): requests
+    must name the server by an IP address, ``localhost`` or one of ``allowed_hosts`` ("*": any).
+    """
     served = served_model_name or llm.model_name
     names = {served, llm.model_name}
     method = getattr(scheduler, "method", None) or llm.spec.method
@@ -69,6 +75,7 @@ def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(_CheckHost, allowed=allowed_hosts)
     app.add_middleware(_CountRequests, metrics=metrics)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -169,7 +176,13 @@ async def _sse(tracked: TrackedJob, writer: ChunkWriter) -> AsyncIterator[str]:
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, at most ``limit`` bytes; anything else is a 4xx."""
+    """The body as a JSON object declared ``application/json``, at most ``limit`` bytes; anything
+    else is a 4xx. (A form or text/plain POST is what a web page may send without a preflight.)"""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        await _drain(request.receive)
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json, not "
+                            f"{media_type[:80] or 'none'}", code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > limit:
         await _drain(request.receive)
@@ -245,6 +258,46 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s: %r (traceback follows from the server)", request.method,
               request.url.path, exc)
     return APIError(500, "internal server error", type="server_error").response()
+
+
+class _CheckHost:
+    """ASGI middleware: refuse a Host header that names this server by a name it was not given.
+
+    DNS rebinding points a page's own host name at this server, so the browser treats the answers
+    as the page's; such requests carry that name. IP addresses and ``localhost`` cannot be
+    rebound, so they always pass; any other name must be listed (``--allowed-hosts``).
+    """
+
+    def __init__(self, app: ASGIApp, allowed: Sequence[str]) -> None:
+        self.app = app
+        self.any = "*" in allowed
+        self.allowed = {h.lower().rstrip(".") for h in allowed} | {"localhost"}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.any or self.host_ok(scope):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(403, "this server does not answer to the host name in the Host header; if it is "
+                              "yours, start it with --allowed-hosts NAME", code="host_not_allowed")
+        await error.response()(scope, receive, send)
+
+    def host_ok(self, scope: Scope) -> bool:
+        raw = dict(scope.get("headers") or []).get(b"host")
+        if raw is None:  # HTTP/1.0 without Host: nothing a browser sends
+            return True
+        name = _host_name(raw.decode("latin-1").strip().lower()).rstrip(".")
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            return name in self.allowed
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header: ``a.b:80`` -> ``a.b``, ``[::1]:80`` -> ``::1``."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.partition(":")[0] if host.count(":") == 1 else host
 
 
 class _CountRequests:
