@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from specdecode.errors import SpecDecodeError
 
@@ -34,8 +35,15 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
     }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error of the CLI; the full usage is --help's."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specdecode",
         description="Lossless speculative decoding: the target model's exact output, faster.",
     )

@@ -73,13 +73,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_PROMPT_FILE_BYTES = 16 << 20  # far above any prompt that fits a context; stops /dev/zero
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
+    path = args.prompt_file
     try:
-        return args.prompt_file.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
     except OSError as exc:
-        raise InvalidConfigError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+        raise InvalidConfigError(f"cannot read --prompt-file {path}: {exc.strerror}") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise InvalidConfigError(f"--prompt-file {path} is larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB; no "
+                                 "prompt that large fits a model's context")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidConfigError(f"--prompt-file {path} is not UTF-8 text (byte {exc.start} is "
+                                 f"0x{data[exc.start]:02x})") from None
+    if "\x00" in text:
+        raise InvalidConfigError(f"--prompt-file {path} holds NUL bytes: it looks like a binary file, not a prompt")
+    return text
 
 
 def _report(out, base) -> dict:

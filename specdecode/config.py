@@ -34,6 +34,9 @@ DTYPES = ("float32", "bfloat16")
 GREEDY_BELOW = 1e-5
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` means greedy (argmax)."""
@@ -61,6 +64,9 @@ class SamplingParams:
             raise InvalidSamplingParamsError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidSamplingParamsError("stop strings must be non-empty")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidSamplingParamsError(f"seed must be an integer in [-2**63, 2**64 - 1] (what torch's "
+                                             f"generator takes), got {str(self.seed)[:40]}")
 
     @property
     def greedy(self) -> bool:

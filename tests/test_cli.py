@@ -44,10 +44,20 @@ def test_generate_streams_text(tiny_pair):
         (["--top-p", "1.5"], "top_p"),
         (["--max-tokens", "0"], "max_tokens"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "prompt-file"),
+        (["--prompt-file", "/dev/zero"], "larger than 16 MiB"),
+        (["--prompt-file", "BINARY"], "is not UTF-8 text"),
+        (["--prompt-file", "NUL"], "NUL bytes"),
+        (["--temperature", "1", "--seed", str(2**70)], "seed must be an integer"),
+        (["--bogus-flag"], "unrecognized arguments: --bogus-flag (see specdecode --help)"),
+        (["--max-tokens", "many"], "invalid int value"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(tiny_pair, args, message):
+def test_bad_input_is_one_line_exit_2(tiny_pair, tmp_path, args, message):
     target, _ = tiny_pair
+    files = {"BINARY": b"\x89PNG\r\n\x1a\n\xff\xfe", "NUL": b"abc\x00def"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    args = [str(tmp_path / a) if a in files else a for a in args]
     base = ["generate", "--model", str(target)]
     if "--prompt-file" not in args:
         base += ["--prompt", "hi"]
