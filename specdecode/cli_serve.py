@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPECDECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: the "
                         "SPECDECODE_API_KEY environment variable; unset = no key)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="with --api-key: serve /metrics without the key (for a Prometheus scraper on a "
+                        "trusted network); by default it needs the key like /v1 (/health never does)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the --model value)")
     p.add_argument("--max-concurrency", type=int, default=4,
@@ -74,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
                           max_queue=args.max_queue)
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins,
-                     allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
+                     allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
+                     metrics_public=args.metrics_public)
     if not _is_loopback(args.host) and not args.api_key:
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
@@ -108,6 +112,12 @@ def _check(args: argparse.Namespace) -> None:
         raise InvalidConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
         raise InvalidConfigError("--api-key is empty; give a key or leave the option out")
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()
+                                         and args.api_key == args.api_key.strip()):
+        raise InvalidConfigError("--api-key must be printable ASCII without surrounding spaces: HTTP clients "
+                                 "cannot send other characters in a header, so no request could match it")
+    if args.metrics_public and args.api_key is None:
+        raise InvalidConfigError("--metrics-public applies with --api-key (without a key /metrics is open anyway)")
 
 
 def _listen(host: str, port: int) -> socket.socket:

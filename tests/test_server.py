@@ -421,9 +421,26 @@ def test_api_key(tiny_pair):
             good = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
             assert good.completions.create(**body, extra_body={"ignore_eos": True}).usage.completion_tokens == 2
             assert server.request("GET", "/health")[0] == 200  # probes need no key
+            key = {"Authorization": "Bearer s3cret"}
+            assert server.request("GET", "/metrics")[0] == 401  # unless --metrics-public
+            assert server.request("GET", "/metrics", headers=key)[0] == 200
+            for method, path in (("GET", "/admin"), ("DELETE", COMPLETIONS), ("GET", "/v1/nothing")):
+                assert server.request(method, path)[0] == 401  # no route mapping without the key
+            assert server.request("GET", "/admin", headers=key)[0] == 404
+            assert server.request("DELETE", COMPLETIONS, headers=key)[0] == 405
+        with LiveServer(create_app(llm, scheduler, api_key="s3cret", metrics_public=True)) as server:
             assert server.request("GET", "/metrics")[0] == 200
+            assert server.request("GET", "/v1/models")[0] == 401
     finally:
         scheduler.close()
+
+
+def test_a_huge_model_name_is_not_reflected_whole(tiny_pair):
+    llm = load(tiny_pair)
+    with LiveServer(create_app(llm, _FailingJobs(RuntimeError()), served_model_name=MODEL)) as server:
+        status, body = server.post(COMPLETIONS, {"model": "m" * 900_000, "prompt": "a"})
+        err = assert_openai_error(status, body, 404)
+        assert len(err["message"]) < 300 and err["code"] == "model_not_found"
 
 
 # --- property-based fuzz of the request schema ---------------------------------------------------

@@ -29,7 +29,8 @@ def test_serve_help_lists_the_issue_flags():
                          text=True, timeout=120)
     assert res.returncode == 0
     for flag in ("--model", "--draft", "--method", "-k", "--host", "--port", "--api-key", "--max-concurrency",
-                 "--max-queue", "--max-seq-len", "--draft-quantize", "--served-model-name"):
+                 "--max-queue", "--max-seq-len", "--draft-quantize", "--served-model-name", "--allowed-hosts",
+                 "--metrics-public"):
         assert flag in res.stdout
 
 
@@ -42,6 +43,18 @@ def test_serve_busy_port_is_one_line_exit_2():
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert "cannot listen" in res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--api-key", "clé"], "printable ASCII"),
+    (["--api-key", "k ey\t"], "printable ASCII"),
+    (["--metrics-public"], "applies with --api-key"),
+])
+def test_serve_refuses_keys_no_client_can_send(args, message):
+    res = subprocess.run([sys.executable, "-m", "specdecode.cli", "serve", "--model", "unused", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and message in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_serve_end_to_end(tiny_pair):

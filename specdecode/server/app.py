@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -52,9 +52,11 @@ class JobScheduler(Protocol):
 
 def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = ()) -> FastAPI:
-    """An app serving ``llm`` through ``scheduler``. With ``api_key``, every ``/v1`` request needs
-    ``Authorization: Bearer <api_key>``; ``/health`` and ``/metrics`` stay open for probes.
+               cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
+               metrics_public: bool = False) -> FastAPI:
+    """An app serving ``llm`` through ``scheduler``. With ``api_key``, every request needs
+    ``Authorization: Bearer <api_key>`` before anything else is looked at (so an unknown caller
+    learns no routes), except ``/health`` for probes and, with ``metrics_public``, ``/metrics``.
 
     A web page the user visits cannot drive the server: POST bodies must be declared
     ``application/json``, which a page can send cross-origin only after a CORS preflight, and
@@ -75,26 +77,22 @@ def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    if api_key is not None:
+        open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+        app.add_middleware(_RequireKey, key=api_key, open_paths=open_paths)
     app.add_middleware(_CheckHost, allowed=allowed_hosts)
     app.add_middleware(_CountRequests, metrics=metrics)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)
 
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
     def check_model(name: str) -> None:
         if name not in names:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{served}`",
+            shown = name if len(name) <= 100 else name[:100] + "..."
+            raise APIError(404, f"The model `{shown}` does not exist; this server serves `{served}`",
                            param="model", code="model_not_found")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
@@ -258,6 +256,27 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s: %r (traceback follows from the server)", request.method,
               request.url.path, exc)
     return APIError(500, "internal server error", type="server_error").response()
+
+
+class _RequireKey:
+    """ASGI middleware: ``Authorization: Bearer <key>`` on every path but ``open_paths``, checked
+    before routing, so a caller without the key gets 401 for real and unknown paths alike."""
+
+    def __init__(self, app: ASGIApp, key: str, open_paths: set[str]) -> None:
+        self.app, self.key, self.open_paths = app, key.encode(), open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.open_paths or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)  # OPTIONS: CORS preflights carry no credentials
+            return
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                         code="invalid_api_key")
+        await error.response()(scope, receive, send)
 
 
 class _CheckHost:
