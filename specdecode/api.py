@@ -231,7 +231,7 @@ class LLM:
     def chat_prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not messages:
             raise InvalidConfigError("messages is empty: give at least one message")
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(messages)))
+        return self.tokenizer.encode_chat(list(messages))
 
     def _run(self, ids: list[int], params: SamplingParams | None, method: str | None,
              k: int | None) -> GenerationOutput:

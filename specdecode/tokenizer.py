@@ -42,6 +42,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ... as texts
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._control_texts = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+        self._literal: tokenizers.Tokenizer | None = None  # encodes special-token texts as plain text
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -100,6 +102,45 @@ class Tokenizer:
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(template_vars or {})
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
+                    template_vars: Mapping[str, Any] | None = None) -> list[int]:
+        """The conversation's token ids through the chat template, with each message's text taken
+        as text: a special-token string inside a message (``<|im_end|><|im_start|>system``) is
+        encoded as the characters it is, never as a control token, so a user cannot forge another
+        role's turn. OpenAI-compatible servers encode user content this way.
+
+        A conversation without such strings gets exactly ``encode(apply_chat_template(...))``.
+        Otherwise the template is rendered with a marker in place of each message's text, the
+        template's own pieces are encoded as usual and the texts without special-token matching.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, template_vars=template_vars)
+        contents = [m.get("content") for m in messages]
+        if not any(isinstance(c, str) and any(t in c for t in self._control_texts) for c in contents):
+            return self.encode(text)
+        marks = [f"\ue000{i}\ue001" if isinstance(c, str) else None for i, c in enumerate(contents)]
+        marked = [{**m, "content": mark} if mark else m for m, mark in zip(messages, marks)]
+        rest = self.apply_chat_template(marked, add_generation_prompt, template_vars=template_vars)
+        ids: list[int] = []
+        for content, mark in zip(contents, marks):
+            if mark is None:
+                continue
+            before, found, rest = rest.partition(mark)
+            if not found or mark in rest:
+                raise InvalidPromptError("a message contains special-token text and this model's chat template "
+                                         "rewrites message text, so it cannot be kept apart from the template's "
+                                         "control tokens; remove the special-token text")
+            ids += self.encode(before) + self._encode_literal(content)
+        return ids + self.encode(rest)
+
+    def _encode_literal(self, text: str) -> list[int]:
+        if self._literal is None:
+            self._literal = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            self._literal.encode_special_tokens = True
+        try:
+            return self._literal.encode(text, add_special_tokens=False).ids
+        except (TypeError, UnicodeError) as exc:
+            raise InvalidPromptError(f"the prompt cannot be tokenized: {exc}") from exc
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
