@@ -1,7 +1,11 @@
-"""File helpers shared by the caches: a cross-process lock around work done once per machine."""
+"""File helpers shared by the caches: a cross-process lock around work done once per machine, and
+the naming and cleanup of partial writes."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,3 +38,45 @@ def file_lock(path: Path, what: str, progress: bool = True) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# Leftovers of a writer killed mid-write (kill -9, power loss) carry its PID in their name:
+# ``.NAME.PID.KIND`` (a file or folder beside the target). A later run deletes those whose PID is
+# no longer alive; a live writer's are never touched.
+_PARTIAL = re.compile(r"^\..+\.(?P<pid>\d+)\.(?:partial|data|joined\.gguf|building|old)$")
+
+
+def partial_path(target: Path, kind: str = "partial") -> Path:
+    """Where to write ``target`` before renaming it into place: beside it, hidden, with our PID."""
+    return target.with_name(f".{target.name}.{os.getpid()}.{kind}")
+
+
+def remove_stale_partials(folder: Path) -> list[Path]:
+    """Delete the leftovers of dead writers in ``folder``; returns what was removed."""
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _PARTIAL.match(entry.name)
+        if match is None or _alive(int(match["pid"])):
+            continue
+        try:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry)
+        except OSError:
+            pass  # another process cleaned it first, or it is not ours to remove
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's live process (or not a PID): leave it alone
+    return True

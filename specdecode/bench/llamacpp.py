@@ -36,7 +36,7 @@ from typing import Any
 from specdecode.bench.endpoint import endpoint_contestant, endpoint_url
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.bench.runner import Contestant
-from specdecode.files import file_lock
+from specdecode.files import file_lock, partial_path, remove_stale_partials
 
 PLAIN, DRAFT = "llamacpp_target", "llamacpp_draft"
 STARTUP_TIMEOUT_S = 600.0
@@ -64,9 +64,10 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
     size = sum(s.stat().st_size for s in sources)
     target = specdecode_home() / "peers" / "gguf" / f"{model_dir.name}.gguf"
     with file_lock(target.with_name(f".{target.name}.lock"), f"joining {target.name}", progress):
+        remove_stale_partials(target.parent)
         if target.is_file() and target.stat().st_size == size:
             return target
-        partial = target.with_name(f".{target.name}.partial")
+        partial = partial_path(target)
         with open(partial, "wb") as out:
             for source in sources:
                 with open(source, "rb") as part:

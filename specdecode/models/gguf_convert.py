@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from specdecode.errors import ModelNotFoundError, UnsupportedModelError
+from specdecode.files import partial_path, remove_stale_partials
 from specdecode.tokenizer import tokenizer_files_from_gguf
 
 CONVERTER_VERSION = 1
@@ -151,8 +152,8 @@ def write_float_weights(folder: Path, progress: bool = True) -> Path:
         return target
     parts = gguf_sources(Path(folder))
     _check_disk_space(parts, Path(folder))
-    joined = target.with_name(f".model.{os.getpid()}.joined.gguf")
-    partial = target.with_name(f".model.{os.getpid()}.partial")
+    remove_stale_partials(Path(folder))
+    joined, partial = partial_path(target, "joined.gguf"), partial_path(target)
     try:
         gguf_file = parts[0] if len(parts) == 1 else _join_parts(parts, joined, progress)
         reader = _open_reader(gguf_file)

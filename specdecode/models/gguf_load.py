@@ -10,7 +10,6 @@ describe the same model.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
+from specdecode.files import partial_path, remove_stale_partials
 from specdecode.models import gguf_convert, gguf_native
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
@@ -35,6 +35,7 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
 
     sources = [Path(s) for s in sources]
     cached = gguf_native.cache_path(sources, specdecode_home())
+    remove_stale_partials(cached.parent)
     refused = cached.with_suffix(".unsupported")  # remembers why a file cannot run natively
     if refused.is_file():
         raise UnsupportedModelError(refused.read_text())
@@ -50,7 +51,7 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
 
 def _build(sources: list[Path], cached: Path, progress: bool) -> None:
     cached.parent.mkdir(parents=True, exist_ok=True)
-    joined = cached.with_name(f".{cached.stem}.{os.getpid()}.joined.gguf")
+    joined = partial_path(cached, "joined.gguf")
     try:
         gguf_file = sources[0] if len(sources) == 1 else gguf_convert._join_parts(sources, joined, progress)
         reader = gguf_convert._open_reader(gguf_file)

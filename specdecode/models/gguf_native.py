@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
+from specdecode.files import partial_path
 
 REPACK_VERSION = 2
 # GGML type id -> (name, inputs per block, bytes per block). The kernel's type codes are these ids.
@@ -165,8 +166,7 @@ def write_atomic(target: Path, arrays: Iterator[tuple[str, np.ndarray]], metadat
     place when whole. The data goes to a side file first (the header, which comes first in the
     file, is known only at the end); ``metadata`` is asked for once every array has been seen."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    data = tmp.with_suffix(".data")
+    tmp, data = partial_path(target), partial_path(target, "data")
     try:
         header: dict[str, Any] = {}
         with open(data, "wb") as f:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError, WeightsMissingError
+from specdecode.files import partial_path, remove_stale_partials
 from specdecode.models.config import ModelConfig
 
 PACK_VERSION = 2
@@ -80,6 +81,7 @@ def _cache_file(files: list[Path], dtype: torch.dtype) -> Path:
     key = json.dumps([PACK_VERSION, str(dtype)] + [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
                                                    for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    remove_stale_partials(specdecode_home() / "packed")  # a 7 GB .partial of a killed run, say
     return specdecode_home() / "packed" / f"{files[0].parent.name}-{digest}.safetensors"
 
 
@@ -97,7 +99,7 @@ def _read_all(files: list[Path]) -> dict[str, Tensor]:
 
 def _write_atomic(target: Path, tensors: dict[str, Tensor]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    tmp = partial_path(target)
     try:
         save_file(tensors, str(tmp), metadata={"pack_version": str(PACK_VERSION)})
         os.replace(tmp, target)
