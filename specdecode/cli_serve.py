@@ -8,6 +8,8 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 
 from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
@@ -55,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_draft_options(p)
     add_quantize_option(p)
     add_method_options(p)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: stop accepting, give running requests this long to finish, "
+                        "then end the rest with HTTP 503 generation_aborted (an error event in streams); "
+                        "a second Ctrl-C stops at once (default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="server log level (default: %(default)s)")
     p.set_defaults(run=run)
@@ -86,12 +92,32 @@ def run(args: argparse.Namespace) -> int:
     print(f"specdecode: serving {name!r} (method {args.method}, k {args.k}) on "
           f"http://{_url_host(args.host)}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
     _log_like_uvicorn(args.log_level)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    # uvicorn's own grace outlasts ours, so the requests we end still send their 503 or error event.
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = uvicorn.Server(config)
+    threading.Thread(target=_end_requests_after_grace, args=(server, scheduler, args.shutdown_timeout),
+                     name="specdecode-shutdown", daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
         scheduler.close()
     return 0
+
+
+def _end_requests_after_grace(server, scheduler, grace: float) -> None:
+    """Once a shutdown begins (uvicorn has stopped accepting), wait for the running and queued
+    requests up to ``grace`` seconds, then close the scheduler: what is left ends with 503
+    ``generation_aborted`` (a final error event and ``[DONE]`` in streams), not a cut connection."""
+    while not server.should_exit:
+        time.sleep(0.1)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and (scheduler.running or scheduler.waiting):
+        time.sleep(0.05)
+    left = scheduler.running + scheduler.waiting
+    if left:
+        logging.getLogger("specdecode.server").warning(
+            "shutting down: ending %d request(s) still running after %.1f s (--shutdown-timeout)", left, grace)
+    scheduler.close()
 
 
 def _log_like_uvicorn(level: str) -> None:
@@ -108,6 +134,8 @@ def _check(args: argparse.Namespace) -> None:
                              ("--max-body-bytes", args.max_body_bytes, 1024)):
         if value < low:
             raise InvalidConfigError(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= args.shutdown_timeout <= 3600:
+        raise InvalidConfigError(f"--shutdown-timeout must be in [0, 3600] seconds, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:
         raise InvalidConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key.strip():

@@ -136,3 +136,99 @@ def test_percentile():
     assert loadtest.percentile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
     assert loadtest.percentile([1.0, 2.0, 3.0, 4.0], 0.99) == pytest.approx(3.97)
     assert loadtest.percentile([5.0], 0.99) == 5.0
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    """A small random model slow enough (some ms a token) that a long request outlives a grace."""
+    from conftest import make_tiny_llm
+
+    return make_tiny_llm(tmp_path_factory.mktemp("slow") / "model", "qwen2", seed=3, hidden_size=512,
+                         intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def _start_serve(target, port: int, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(target), "--port", str(port),
+         "--served-model-name", "tiny", "--max-seq-len", "4096", "--log-level", "warning", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+
+    def up() -> bool:
+        try:
+            return bool(client.models.list().data)
+        except openai.APIConnectionError:
+            assert proc.poll() is None, proc.communicate()[1]
+            return False
+
+    assert wait_until(up, timeout=120)
+    return proc
+
+
+def _long_requests(port: int, max_tokens: int) -> tuple[dict, list]:
+    """Start a non-streaming and a streaming request in threads; return their result holders."""
+    import threading
+    import urllib.request
+
+    body = {"model": "tiny", "prompt": "a b", "max_tokens": max_tokens, "ignore_eos": True}
+    results: dict = {}
+
+    def send(stream: bool) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     data=json.dumps({**body, "stream": stream}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                results[stream] = (resp.status, resp.headers.get("content-type"), resp.read().decode())
+        except urllib.error.HTTPError as exc:
+            results[stream] = (exc.code, exc.headers.get("content-type"), exc.read().decode())
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in (False, True)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def test_sigterm_ends_unfinished_requests_with_the_documented_errors(slow_model):
+    import signal
+
+    port = free_port()
+    proc = _start_serve(slow_model, port, "--shutdown-timeout", "0.5")
+    results, threads = _long_requests(port, 3000)
+    time.sleep(1.0)  # both are generating
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    _, stderr = proc.communicate(timeout=60)
+    status, ctype, text = results[False]
+    assert status == 503 and ctype.startswith("application/json")
+    assert json.loads(text)["error"]["code"] == "generation_aborted"
+    status, _, text = results[True]
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "generation_aborted"
+    assert "ending 2 request(s)" in stderr and "Traceback" not in stderr
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+
+
+def test_sigterm_lets_running_requests_finish_within_the_grace(slow_model):
+    import signal
+
+    port = free_port()
+    proc = _start_serve(slow_model, port, "--shutdown-timeout", "60")
+    results, threads = _long_requests(port, 400)
+    time.sleep(0.5)
+    assert not results  # both still generating
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(ConnectionError):  # no new connection is accepted during the grace
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert not results
+    for t in threads:
+        t.join(timeout=90)
+    proc.communicate(timeout=90)
+    status, _, text = results[False]
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 400
+    status, _, text = results[True]
+    assert status == 200 and text.rstrip().endswith("data: [DONE]") and "error" not in text
