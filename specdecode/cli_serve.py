@@ -15,6 +15,8 @@ from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_o
                                     add_quantize_option, method_options)
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS
 from specdecode.errors import InvalidConfigError
+from specdecode.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                           DEFAULT_MAX_CONNECTIONS, guarded_protocol)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -57,6 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_draft_options(p)
     add_quantize_option(p)
     add_method_options(p)
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="close a connection whose request headers have not all arrived this long after it "
+                        "opened (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                   help="answer 408 when a request body has not all arrived this long after its headers "
+                        "(default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="open connections at most; more are answered 503 at once and closed, so stalled "
+                        "clients cannot exhaust file descriptors (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C: stop accepting, give running requests this long to finish, "
                         "then end the rest with HTTP 503 generation_aborted (an error event in streams); "
@@ -84,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins,
                      allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
-                     metrics_public=args.metrics_public)
+                     metrics_public=args.metrics_public, body_timeout=args.body_timeout)
     if not _is_loopback(args.host) and not args.api_key:
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
@@ -93,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
           f"http://{_url_host(args.host)}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
     _log_like_uvicorn(args.log_level)
     # uvicorn's own grace outlasts ours, so the requests we end still send their 503 or error event.
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                            http=guarded_protocol(args.header_timeout, args.max_connections), timeout_keep_alive=5)
     server = uvicorn.Server(config)
     threading.Thread(target=_end_requests_after_grace, args=(server, scheduler, args.shutdown_timeout),
                      name="specdecode-shutdown", daemon=True).start()
@@ -134,6 +146,11 @@ def _check(args: argparse.Namespace) -> None:
                              ("--max-body-bytes", args.max_body_bytes, 1024)):
         if value < low:
             raise InvalidConfigError(f"{flag} must be >= {low}, got {value}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < value <= 3600:
+            raise InvalidConfigError(f"{flag} must be in (0, 3600] seconds, got {value}")
+    if args.max_connections < 8:
+        raise InvalidConfigError(f"--max-connections must be >= 8, got {args.max_connections}")
     if not 0 <= args.shutdown_timeout <= 3600:
         raise InvalidConfigError(f"--shutdown-timeout must be in [0, 3600] seconds, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:

@@ -232,3 +232,49 @@ def test_sigterm_lets_running_requests_finish_within_the_grace(slow_model):
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 400
     status, _, text = results[True]
     assert status == 200 and text.rstrip().endswith("data: [DONE]") and "error" not in text
+
+
+def test_stalled_clients_are_timed_out_and_capped(tiny_pair):
+    """Partial headers, a stalled body and too many connections: each ends on its own, the
+    server stays healthy meanwhile, and each cause is logged once, not per connection."""
+    import urllib.request
+
+    target, _ = tiny_pair
+    port = free_port()
+    proc = _start_serve(target, port, "--header-timeout", "1.5", "--body-timeout", "1", "--max-connections", "60",
+                        "--log-level", "warning")
+    stalled = []
+    try:
+        for i in range(40):  # half a request line, or nothing at all
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            if i % 2:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            stalled.append(sock)
+        start = time.monotonic()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            assert resp.status == 200 and time.monotonic() - start < 1.0  # healthy while they are held
+
+        body = socket.create_connection(("127.0.0.1", port), timeout=10)  # headers, then a stalled body
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\":")
+        answer = body.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408") and '"request_timeout"' in answer
+
+        extra = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(25)]
+        refused = [s.recv(4096).decode() for s in extra[-5:]]  # beyond 60 open connections
+        assert all(r.startswith("HTTP/1.1 503") and "too_many_connections" in r for r in refused)
+
+        time.sleep(2.0)  # past the header deadline: every stalled connection is closed by the server
+        for sock in stalled:
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        for sock in stalled:
+            sock.close()
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    lines = [line for line in stderr.splitlines() if "sent no complete request headers" in line]
+    assert len(lines) == 1 and "Traceback" not in stderr
+    assert len([line for line in stderr.splitlines() if "beyond --max-connections" in line]) == 1

@@ -8,6 +8,7 @@ validates, submits, and streams or collects the job's events.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import ipaddress
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specdecode.api import LLM
 from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
+from specdecode.server.connections import DEFAULT_BODY_TIMEOUT_S
 from specdecode.server.http_errors import APIError, bad_request, from_spec_error, from_validation_error
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdecode.server.protocol import ChunkWriter, chat_body, completion_body, prepare_chat, prepare_completion
@@ -53,10 +55,13 @@ class JobScheduler(Protocol):
 def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
-               metrics_public: bool = False) -> FastAPI:
+               metrics_public: bool = False, body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """An app serving ``llm`` through ``scheduler``. With ``api_key``, every request needs
     ``Authorization: Bearer <api_key>`` before anything else is looked at (so an unknown caller
     learns no routes), except ``/health`` for probes and, with ``metrics_public``, ``/metrics``.
+
+    A request body must arrive within ``body_timeout`` seconds of its headers (else 408), so a
+    client that stops sending cannot hold a request open.
 
     A web page the user visits cannot drive the server: POST bodies must be declared
     ``application/json``, which a page can send cross-origin only after a CORS preflight, and
@@ -105,12 +110,12 @@ def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        req = _parse(CompletionRequest, await _read_json(request, max_body_bytes))
+        req = _parse(CompletionRequest, await _read_json(request, max_body_bytes, body_timeout))
         return await generate(request, req, chat=False)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await _read_json(request, max_body_bytes))
+        req = _parse(ChatCompletionRequest, await _read_json(request, max_body_bytes, body_timeout))
         return await generate(request, req, chat=True)
 
     async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
@@ -173,7 +178,7 @@ async def _sse(tracked: TrackedJob, writer: ChunkWriter) -> AsyncIterator[str]:
         yield chunk
 
 
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+async def _read_json(request: Request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_S) -> dict[str, Any]:
     """The body as a JSON object declared ``application/json``, at most ``limit`` bytes; anything
     else is a 4xx. (A form or text/plain POST is what a web page may send without a preflight.)"""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -186,8 +191,13 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         await _drain(request.receive)
         raise _too_large(limit)
     body = bytearray()
+    deadline = time.monotonic() + timeout
     while True:
-        message = await request.receive()
+        try:
+            message = await asyncio.wait_for(request.receive(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         if message["type"] != "http.request":  # the client left before sending it all
             raise bad_request("the request body ended early")
         body += message.get("body", b"")

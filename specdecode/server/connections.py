@@ -1,0 +1,107 @@
+"""Connections no client can hold forever: a deadline for request headers and a connection cap.
+
+uvicorn's HTTP protocol waits without limit for a request's headers: a client that opens a
+connection and sends half a request line (or nothing) holds a socket and a file descriptor for
+good, before the API key is even looked at, and enough of them exhaust the process's descriptors
+so that every request, ``/health`` included, hangs. This subclass of its h11 protocol closes a
+connection whose request headers have not all arrived ``header_timeout`` seconds after it opened
+(or after its first byte, for a later request on a kept-alive connection), and answers a
+connection beyond ``max_connections`` with a JSON 503 at once. Idle kept-alive connections are
+closed by uvicorn's ``timeout_keep_alive``; a body that stalls is the app's to time out
+(``app._read_json``). Each cause is logged once a minute with a count, not once per event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger("specdecode.server")
+
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0  # for 1 MiB at dial-up speed; a stalled upload ends with 408
+DEFAULT_MAX_CONNECTIONS = 512
+_LOG_EVERY_S = 60.0
+
+
+def _busy_response() -> bytes:
+    body = json.dumps({"error": {"message": "the server has too many open connections; retry shortly",
+                                 "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
+    head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+class _CauseLog:
+    """Counts events of one cause and logs them at most once per ``_LOG_EVERY_S``."""
+
+    def __init__(self, message: str) -> None:
+        self.message, self.count, self.last = message, 0, float("-inf")
+
+    def event(self) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= _LOG_EVERY_S:
+            log.warning(self.message, self.count)
+            self.count, self.last = 0, now
+
+
+def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type:
+    """uvicorn's h11 protocol with these limits, as a class to pass as ``uvicorn.Config(http=...)``."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    stalled = _CauseLog("closed %d connection(s) that sent no complete request headers within "
+                        f"{header_timeout:g} s (--header-timeout)")
+    refused = _CauseLog(f"refused %d connection(s) beyond --max-connections {max_connections}")
+
+    class GuardedH11Protocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                refused.event()
+                transport.write(_busy_response())
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._in_request():
+                self._arm()  # the first bytes of a later request on a kept-alive connection
+            super().data_received(data)
+            if self._in_request():
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _in_request(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self._in_request() and not self.transport.is_closing():
+                stalled.event()
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            self._disarm()  # uvicorn's keep-alive timer covers the idle time until the next request
+            super().on_response_complete()
+
+    return GuardedH11Protocol
