@@ -19,7 +19,7 @@ from specdecode.cache import KVCache
 from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.draft_length import DraftLength
 from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
-from specdecode.errors import InvalidConfigError, PromptTooLongError
+from specdecode.errors import InvalidConfigError, NonFiniteLogitsError, PromptTooLongError
 from specdecode.models.decoder import Decoder
 from specdecode.sampling import greedy, logits_to_probs, sample
 from specdecode.stats import RequestStats
@@ -81,6 +81,7 @@ class Generation:
 
     def start(self, logits: Tensor) -> StreamEvent:
         """Take the prefill's last-row logits [1, V]: pick the first token, start the drafter."""
+        _check_finite(logits)
         self.stats.prefill_s = time.perf_counter() - self.started
         new = self.stops.push(self.seq, [_pick(logits, self.seq)])
         self.stats.ttft_s = time.perf_counter() - self.started
@@ -117,6 +118,7 @@ class Generation:
     def commit(self, logits: Tensor, forward_s: float = 0.0) -> StreamEvent:
         """Take the verify logits [K+1, V]: keep the valid draft prefix and one more token, trim
         the rejected drafts from the cache, tell the drafter. ``forward_s``: the forward's time."""
+        _check_finite(logits)
         seq, proposal, stats = self.seq, self.proposal, self.stats
         if proposal.is_tree:
             result = self._verify_tree(logits)
@@ -223,6 +225,13 @@ class Engine:
             if event.output is not None:
                 return event.output
         raise RuntimeError("engine stream ended without an output")  # unreachable
+
+
+def _check_finite(logits: Tensor) -> None:
+    """Refuse NaN or infinite logits (damaged weights): argmax would quietly turn them into token 0."""
+    if not torch.isfinite(logits).all():
+        raise NonFiniteLogitsError("the model produced NaN or infinite logits; its weights may be damaged: "
+                                   "re-install or re-convert the model (e.g. `specdecode models pull NAME`)")
 
 
 def _pick(logits: Tensor, seq: SequenceState) -> int:

@@ -55,3 +55,8 @@ class ServerBusyError(SpecDecodeError):
 class DatastoreError(SpecDecodeError):
     """A retrieval datastore that is missing, unreadable, built for another tokenizer, or cannot be
     written (or would overwrite an existing store without ``--force``)."""
+
+
+class NonFiniteLogitsError(SpecDecodeError):
+    """The model produced NaN or infinite logits: its weights are damaged (or it overflowed);
+    emitting a token from them would pass garbage off as a normal answer."""

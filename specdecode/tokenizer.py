@@ -381,7 +381,14 @@ def _find_chat_template(path: Path, tok_config: Mapping[str, Any]) -> str | None
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:  # ValueError covers bad JSON and bad UTF-8
+        raise UnsupportedModelError(f"{path} is not valid JSON ({str(exc)[:120]}); re-download or re-convert "
+                                    "the model") from None
+    if not isinstance(data, dict):
+        raise UnsupportedModelError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _token_text(value: Any) -> str | None:

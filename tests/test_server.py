@@ -622,3 +622,17 @@ def test_host_header_is_checked_against_dns_rebinding(tiny_pair, host, allowed, 
         else:
             err = assert_openai_error(status, json.loads(text), 403)
             assert err["code"] == "host_not_allowed" and "--allowed-hosts" in err["message"]
+
+
+def test_a_damaged_model_answers_500_not_a_normal_completion(tiny_pair):
+    llm = load(tiny_pair)
+    llm.target.norm = llm.target.norm.clone()
+    llm.target.norm[0] = float("nan")
+    scheduler = Scheduler(llm, method="none", k=1)
+    try:
+        with LiveServer(create_app(llm, scheduler, served_model_name=MODEL)) as server:
+            status, body = server.post(COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 3})
+            err = assert_openai_error(status, body, 500)
+            assert err["code"] == "model_damaged" and "NaN" in err["message"]
+    finally:
+        scheduler.close()

@@ -7,6 +7,8 @@ q/k/v projections carry a bias, the RoPE base, and whether the LM head is tied t
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,9 @@ from typing import Any
 from specdecode.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,4 +80,19 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: Path) -> "ModelConfig":
-        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+        file = Path(path) / "config.json"
+        try:
+            return cls.from_hf(json.loads(file.read_text(encoding="utf-8")))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, a field missing or mistyped
+            what = f"no field {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:160]
+            raise UnsupportedModelError(f"{file} is not a valid model config ({what}); re-download or "
+                                        "re-convert the model") from None
+
+    def check_layers(self, names: Iterable[str], source: object) -> None:
+        """Refuse weights whose decoder layers are not exactly ``num_layers`` (a config edited or
+        mismatched would otherwise run part of the model, or garbage)."""
+        found = {int(m[1]) for n in names if (m := _LAYER.match(n))}
+        if found != set(range(self.num_layers)):
+            have = f"layers 0..{max(found)}" if found else "no layers"
+            raise UnsupportedModelError(f"{source} has {have} ({len(found)}) but its config.json says "
+                                        f"num_hidden_layers={self.num_layers}; the files do not belong together")

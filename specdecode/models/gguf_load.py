@@ -46,7 +46,14 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
             if "--quantize none" in str(exc):  # a property of the file, not of this machine
                 refused.write_text(str(exc))
             raise
-    return _read(cached)
+    try:
+        return _read(cached)
+    except Exception as exc:  # noqa: BLE001 - truncated or garbage planes: derived, so repack
+        print(f"specdecode: the repacked cache {cached.name} is damaged ({str(exc)[:80]}); repacking",
+              file=sys.stderr)
+        cached.unlink(missing_ok=True)
+        _build(sources, cached, progress)
+        return _read(cached)
 
 
 def _build(sources: list[Path], cached: Path, progress: bool) -> None:
@@ -121,6 +128,7 @@ def decoder_weights(weights: NativeWeights, config: ModelConfig) -> dict[str, ob
                                         "(use --quantize none)")
         return w
 
+    config.check_layers(weights, "the GGUF file")
     out: dict[str, object] = {"embed": native("model.embed_tokens.weight"), "norm": weights["model.norm.weight"]}
     if not config.tie_word_embeddings:
         out["lm_head"] = GGUFLinear((native("lm_head.weight"),))

@@ -35,8 +35,15 @@ def load_packed(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str
         raise WeightsMissingError(f"no *.safetensors files in {path}")
     cached = _cache_file(files, dtype)
     if cached.exists():
-        return _read(cached)
-    packed = pack(_read_all(files), config, dtype)
+        try:
+            return _read(cached)
+        except Exception as exc:  # noqa: BLE001 - truncated or garbage: a derived file, so rebuild it
+            print(f"specdecode: the packed cache {cached.name} is damaged ({str(exc)[:80]}); rebuilding it",
+                  file=sys.stderr)
+            cached.unlink(missing_ok=True)
+    weights = _read_all(files)
+    config.check_layers(weights, path)
+    packed = pack(weights, config, dtype)
     try:
         _write_atomic(cached, packed)
     except OSError as exc:  # a read-only home must not stop generation, only slow the next load

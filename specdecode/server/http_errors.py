@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from specdecode.errors import PromptTooLongError, ServerBusyError, SpecDecodeError
+from specdecode.errors import NonFiniteLogitsError, PromptTooLongError, ServerBusyError, SpecDecodeError
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait; a step of the engine is well under this
 
@@ -47,6 +47,8 @@ def from_spec_error(exc: SpecDecodeError) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, NonFiniteLogitsError):  # the model's fault, not the request's
+        return APIError(500, str(exc), type="server_error", code="model_damaged")
     return bad_request(str(exc))  # bad sampling values, a model without a chat template, ...
 
 
