@@ -153,3 +153,76 @@ def test_worker_survives_a_closed_event_loop_and_close_ends_every_job(llm):
 
     asyncio.run(shut_down_mid_request())
     assert not scheduler.alive and scheduler.running == 0
+
+
+def test_a_long_prompt_runs_in_chunks_between_other_requests_decode_steps(llm, monkeypatch):
+    """While a long prompt is prefilled chunk by chunk, a running request keeps decoding; both
+    still get their solo output."""
+    from specdecode import engine
+
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 8)
+    target = llm.engine.target
+    calls: list[str] = []
+    forward, forward_batch = target.forward, target.forward_batch
+
+    def logged_forward(tokens, cache, last_only=False, tree=None):
+        calls.append(f"prefill{len(tokens)}" if last_only else "other")
+        return forward(tokens, cache, last_only, tree)
+
+    def logged_batch(segments, last_only=False, trees=None):
+        calls.append("decode")
+        return forward_batch(segments, last_only, trees)
+
+    monkeypatch.setattr(target, "forward", logged_forward)
+    monkeypatch.setattr(target, "forward_batch", logged_batch)
+    short, long = [5, 6, 7], list(range(10, 74))  # 64 tokens: 8 chunks
+    params = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
+    solo = [llm.engine.generate(p, q, llm.drafter("none"), 4) for p, q in zip((short, long), params)]
+    calls.clear()
+    scheduler = Scheduler(llm, method="none", max_concurrency=4, max_queue=8)
+
+    async def run():
+        first = asyncio.ensure_future(_collect(scheduler, short, params[0]))
+        await asyncio.sleep(0.05)  # the short request is decoding when the long one arrives
+        return await asyncio.gather(first, _collect(scheduler, long, params[1]))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        scheduler.close()
+    for (_, out), alone in zip(results, solo):
+        assert out.token_ids == alone.token_ids
+    chunks = [i for i, c in enumerate(calls) if c == "prefill8"]
+    assert len(chunks) == 8
+    between = calls[chunks[0] : chunks[-1]]
+    assert between.count("decode") >= 7  # a decode step after every chunk but the last
+
+
+def test_a_request_cancelled_during_its_prefill_stops_at_the_next_chunk(llm, monkeypatch):
+    from specdecode import engine
+
+    monkeypatch.setattr(engine, "PREFILL_CHUNK", 4)
+    target = llm.engine.target
+    chunks_run = []
+    forward = target.forward
+    scheduler = Scheduler(llm, method="none", max_concurrency=2, max_queue=2)
+    holder = {}
+
+    def logged_forward(tokens, cache, last_only=False, tree=None):
+        chunks_run.append(len(tokens))
+        if len(chunks_run) == 2:
+            holder["job"].cancel()  # the client leaves while its prompt runs
+        return forward(tokens, cache, last_only, tree)
+
+    monkeypatch.setattr(target, "forward", logged_forward)
+
+    async def run():
+        job = scheduler.submit(list(range(10, 50)), SamplingParams(max_tokens=5))  # 10 chunks
+        holder["job"] = job
+        return [event async for event in job]
+
+    try:
+        events = asyncio.run(run())
+    finally:
+        scheduler.close()
+    assert events == [] and chunks_run == [4, 4]  # the other 8 chunks never ran

@@ -8,9 +8,12 @@ in lock step: every active request drafts, then ONE target forward verifies all 
 step costs on a CPU; acceptance stays ragged per request). Because the kernels are
 batch-invariant, each request gets exactly the tokens it would get alone.
 
-A new request's prompt prefill runs as its own forward before it joins the batch. A bounded wait
-queue turns overload into an immediate :class:`ServerBusyError` (HTTP 429) instead of unbounded
-latency. Cancelling a job (client disconnect) drops it at the next step, freeing its KV memory.
+A new request's prompt runs in chunks (``engine.PREFILL_CHUNK`` tokens), one chunk per loop
+turn between the active requests' decode steps, so a long prompt delays the running streams by
+one chunk at a time, not by its whole prefill; a request cancelled while its prompt runs stops
+at the next chunk. A bounded wait queue turns overload into an immediate
+:class:`ServerBusyError` (HTTP 429) instead of unbounded latency. Cancelling a job (client
+disconnect) drops it at the next step, freeing its KV memory.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdecode.api import LLM
 from specdecode.config import SamplingParams
@@ -137,53 +141,75 @@ class Scheduler:
             job._emit(_DONE)
 
     def _work(self) -> None:
-        active: list[tuple[Job, Generation]] = []
+        active: list[tuple[Job, Generation]] = []  # decoding
+        prefilling: list[_Prefill] = []  # admitted, prompt not all in the cache yet (oldest first)
         while True:
             with self._lock:
-                while not self._queue and not active and not self._closed:
+                while not self._queue and not active and not prefilling and not self._closed:
                     self._lock.wait()
                 if self._closed:
                     break
                 self._drop_cancelled_waiters()
                 admitted = []
-                while self._queue and len(active) + len(admitted) < self.max_concurrency:
+                while self._queue and len(active) + len(prefilling) + len(admitted) < self.max_concurrency:
                     job = self._queue.popleft()
                     self._running.add(job)
                     admitted.append(job)
             try:
-                for job in admitted:
-                    gen = self._start(job)
-                    if gen is not None:
-                        active.append((job, gen))
+                prefilling += [p for p in map(self._begin, admitted) if p is not None]
+                if prefilling:  # one chunk of one prompt, then everyone's decode step
+                    gen = self._prefill_chunk(prefilling[0])
+                    if gen is not None or prefilling[0].over:
+                        job = prefilling.pop(0).job
+                        if gen is not None:
+                            active.append((job, gen))
                 active = self._step(active)
             except Exception as exc:  # noqa: BLE001 - a bug: fail the requests in hand, keep serving
-                for job in admitted + [job for job, _ in active]:
+                for job in [p.job for p in prefilling] + [job for job, _ in active]:
                     job._emit(exc)
                     self._release(job)
-                active = []
+                active, prefilling = [], []
         with self._lock:  # closed: end everything still here
-            for job in list(self._queue) + [job for job, _ in active] + list(self._running):
+            left = [job for job, _ in active] + [p.job for p in prefilling]
+            for job in list(self._queue) + left + list(self._running):
                 self._release(job)
             self._queue.clear()
 
-    def _start(self, job: Job) -> Generation | None:
-        """Prefill a newly admitted request; None when it is already over (or failed)."""
+    def _begin(self, job: Job) -> _Prefill | None:
+        """A newly admitted request's generation, its prompt not yet run; None if it failed."""
         try:
-            if job.cancelled.is_set():
-                raise _Cancelled
             engine, llm = self.llm.engine, self.llm
             capacity = min(engine.max_seq_len, len(job.prompt_ids) + job.params.max_tokens)
             cache = engine.target.new_cache(capacity)
             gen = engine.begin(job.prompt_ids, job.params, llm.new_drafter(self.method, capacity), self.k,
                                llm.adaptive, cache)
-            job._emit(gen.start(engine.target.forward(gen.prefill_tokens(), cache, last_only=True)))
+            return _Prefill(job, gen, gen.prefill_chunks())
+        except Exception as exc:  # noqa: BLE001 - delivered to the request's handler, which maps it to HTTP
+            job._emit(exc)
+            self._release(job)
+            return None
+
+    def _prefill_chunk(self, p: _Prefill) -> Generation | None:
+        """Run the next chunk of ``p``'s prompt. Returns the generation once it decodes; sets
+        ``p.over`` when the request ended instead (cancelled between chunks, finished at its first
+        token, or failed)."""
+        job, gen = p.job, p.gen
+        try:
+            if job.cancelled.is_set():  # the client left: the rest of its prompt is never run
+                raise _Cancelled
+            logits = self.llm.engine.target.forward(p.chunks[p.next], gen.cache, last_only=True)
+            p.next += 1
+            if p.next < len(p.chunks):
+                return None
+            job._emit(gen.start(logits))
             if not gen.finished:
                 return gen
             job._emit(gen.finish())
         except _Cancelled:
             pass
-        except Exception as exc:  # delivered to the request's handler, which maps it to HTTP
+        except Exception as exc:  # noqa: BLE001 - delivered to the request's handler, which maps it to HTTP
             job._emit(exc)
+        p.over = True
         self._release(job)
         return None
 
@@ -236,4 +262,15 @@ class Scheduler:
 
 
 class _Cancelled(Exception):
-    """A job cancelled before it started."""
+    """A job cancelled before its prompt was all run."""
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """An admitted request whose prompt runs chunk by chunk between the others' decode steps."""
+
+    job: Job
+    gen: Generation
+    chunks: list[Any]  # the prompt's prefill chunks (tensors), run in order
+    next: int = 0
+    over: bool = False
