@@ -1,0 +1,125 @@
+"""How long a long prompt stalls another client's stream on `specdecode serve`, and its TTFT.
+
+    python scripts/prefill_stall.py [--model M] [--prompt-tokens 4000] [--stream-tokens 300]
+        [--serve "specdecode serve"] [--llamacpp-server PATH]
+
+Starts the server (the command in --serve, so another checkout can be measured the same way),
+opens a streaming request that decodes --stream-tokens tokens, and once that stream flows sends
+a completion whose prompt is --prompt-tokens token ids (max_tokens 1). Prints the stream's
+longest gap between two chunks (the stall) and the long request's time to its answer (its TTFT).
+With --llamacpp-server, also the prompt-processing time llama.cpp reports for the same token ids
+on the same GGUF file, with 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 900) -> urllib.request.addinfourl:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    sys.exit("the server did not start")
+
+
+def measure_ours(serve: str, model: str, prompt_ids: list[int], stream_tokens: int) -> dict:
+    port = _free_port()
+    cmd = [*shlex.split(serve), "--model", model, "--port", str(port), "--max-seq-len", "8192",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc)
+        arrivals: list[float] = []
+
+        def stream() -> None:
+            body = {"model": model, "prompt": "def fibonacci(n):", "max_tokens": stream_tokens, "stream": True,
+                    "ignore_eos": True}
+            with _post(url + "/v1/completions", body) as resp:
+                for line in resp:
+                    if line.startswith(b"data: {"):
+                        arrivals.append(time.perf_counter())
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while len(arrivals) < 5:
+            time.sleep(0.05)
+        start = time.perf_counter()
+        with _post(url + "/v1/completions", {"model": model, "prompt": prompt_ids, "max_tokens": 1}) as resp:
+            resp.read()
+        ttft = time.perf_counter() - start
+        reader.join()
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        return {"longest_stall_s": round(max(gaps), 2), "median_gap_s": round(sorted(gaps)[len(gaps) // 2], 3),
+                "long_prompt_ttft_s": round(ttft, 2), "stream_chunks": len(arrivals)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def measure_llamacpp(server: str, model: str, prompt_ids: list[int]) -> dict:
+    from specdecode.bench.llamacpp import LlamaServer, peer_gguf
+    from specdecode.models.catalog import resolve_model
+
+    gguf = peer_gguf(resolve_model(model))
+    llama = LlamaServer(Path(server), ["-m", str(gguf), "-t", "2", "-tb", "2", "-c", "8192", "-np", "1"],
+                        Path("/dev/null"))
+    llama.start()
+    try:
+        start = time.perf_counter()
+        with _post(llama.url + "/completion", {"prompt": prompt_ids, "n_predict": 1, "cache_prompt": False}) as resp:
+            timings = json.loads(resp.read())["timings"]
+        return {"long_prompt_ttft_s": round(time.perf_counter() - start, 2),
+                "prompt_ms_reported": round(timings["prompt_ms"])}
+    finally:
+        llama.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--prompt-tokens", type=int, default=4000)
+    ap.add_argument("--stream-tokens", type=int, default=300)
+    ap.add_argument("--serve", default="specdecode serve", help="the command that starts our server")
+    ap.add_argument("--llamacpp-server", default=None, help="also time llama.cpp's prefill of the same ids")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    prompt_ids = [rng.randrange(1000, 30000) for _ in range(args.prompt_tokens)]
+    result = {"model": args.model, "prompt_tokens": args.prompt_tokens, "serve": args.serve,
+              "ours": measure_ours(args.serve, args.model, prompt_ids, args.stream_tokens)}
+    if args.llamacpp_server:
+        result["llamacpp"] = measure_llamacpp(args.llamacpp_server, args.model, prompt_ids)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
