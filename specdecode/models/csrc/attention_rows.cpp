@@ -150,17 +150,9 @@ torch::Tensor rope_qkv(const torch::Tensor& qkv, const c10::optional<torch::Tens
     return out;
 }
 
-bool avx2() {
-#if defined(__AVX2__)
-    return true;
-#else
-    return false;
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attention_rows", &attention_rows, "batch-invariant causal GQA of query rows over a KV cache layer");
     m.def("rope_qkv", &rope_qkv, "bias and rotate-half RoPE on the q and k heads of a fused q|k|v", py::arg("qkv"),
           py::arg("bias"), py::arg("cos"), py::arg("sin"), py::arg("hq"), py::arg("hkv"));
-    m.def("avx2", &avx2, "whether this build uses AVX2 (else the portable C++ build)");
+    m.def("avx2", &lanes::avx2, "whether this build uses AVX2 (else the portable C++ build)");
 }

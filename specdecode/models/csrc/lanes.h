@@ -13,6 +13,15 @@
 
 namespace lanes {
 
+// Whether this build is the AVX2 one (else the portable one); each extension exports it.
+inline bool avx2() {
+#if defined(__AVX2__)
+    return true;
+#else
+    return false;
+#endif
+}
+
 #if defined(__AVX2__)
 struct V8 {
     __m256 v;

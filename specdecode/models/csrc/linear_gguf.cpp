@@ -543,19 +543,11 @@ torch::Tensor dequantize_rows(int64_t type, int64_t out, int64_t in, const std::
     return y;
 }
 
-bool avx2() {
-#if defined(__AVX2__)
-    return true;
-#else
-    return false;
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("linear_gguf", &linear_gguf, "batch-invariant residual + T(x) @ W.T with W in GGUF block formats, as (type, "
           "out, planes) parts; T: 0 none, 1 RMS norm, 2 SiLU-gated",
           py::arg("x"), py::arg("parts"), py::arg("pre") = 0, py::arg("norm") = py::none(), py::arg("eps") = 0.0,
           py::arg("residual") = py::none());
     m.def("dequantize_rows", &dequantize_rows, "float rows of a GGUF-quantized weight");
-    m.def("avx2", &avx2, "whether this build uses AVX2 (else the portable C++ build)");
+    m.def("avx2", &lanes::avx2, "whether this build uses AVX2 (else the portable C++ build)");
 }
