@@ -217,7 +217,7 @@ def test_sigterm_lets_running_requests_finish_within_the_grace(slow_model):
 
     port = free_port()
     proc = _start_serve(slow_model, port, "--shutdown-timeout", "60")
-    results, threads = _long_requests(port, 400)
+    results, threads = _long_requests(port, 800)
     time.sleep(0.5)
     assert not results  # both still generating
     proc.send_signal(signal.SIGTERM)
@@ -229,7 +229,7 @@ def test_sigterm_lets_running_requests_finish_within_the_grace(slow_model):
         t.join(timeout=90)
     proc.communicate(timeout=90)
     status, _, text = results[False]
-    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 400
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 800
     status, _, text = results[True]
     assert status == 200 and text.rstrip().endswith("data: [DONE]") and "error" not in text
 
