@@ -40,8 +40,8 @@ class GenerationOutput:
 
 
 # Prompt tokens per prefill forward. A server runs other requests' decode steps between chunks, so
-# a long prompt stalls them for one chunk (256 rows of the 1.5B native target: about 3.5 s on 2
-# AMD EPYC cores) rather than for its whole prefill; 256 rows keep the kernels at full speed.
+# a long prompt stalls them for one chunk rather than for its whole prefill (docs/SERVING.md, "Long
+# prompts"); 256 rows keep the kernels at full speed.
 PREFILL_CHUNK = 256
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,8 @@
 //
 // Why by hand: the torch version (``kernels.attention``) relies on BLAS giving a row the same bits
 // in every call shape, which holds only because calls are padded and keys blocked, and it costs
-// a dozen small ops per layer: 8.3 ms of a 57 ms decode step of the 1.5B native target
-// (AMD EPYC, 2026-11-23). Here a row's arithmetic depends only on its query, the keys it sees and
+// a dozen small ops per layer (with the other small steps of a layer, what
+// ``scripts/native_steps.py`` times against the native path). Here a row's arithmetic depends only on its query, the keys it sees and
 // their number, in a fixed order, so it gets the same bits alone, among any rows, in a prefill or
 // token by token, and the AVX2 build and the portable build (plain C++ lane loops doing the same
 // operations) agree bit for bit.
