@@ -17,19 +17,12 @@ import argparse
 import json
 import random
 import shlex
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from specdecode.bench.llamacpp import ServerProcess, peer_gguf
 
 
 def _post(url: str, body: dict, timeout: float = 900) -> urllib.request.addinfourl:
@@ -37,28 +30,11 @@ def _post(url: str, body: dict, timeout: float = 900) -> urllib.request.addinfou
     return urllib.request.urlopen(req, timeout=timeout)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    sys.exit("the server did not start")
-
-
 def measure_ours(serve: str, model: str, prompt_ids: list[int], stream_tokens: int) -> dict:
-    port = _free_port()
-    cmd = [*shlex.split(serve), "--model", model, "--port", str(port), "--max-seq-len", "8192",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess([*shlex.split(serve), "--model", model, "--max-seq-len", "8192", "--log-level", "warning"],
+                           Path("/dev/null"))
+    url = server.start().url
     try:
-        _wait_ready(url, proc)
         arrivals: list[float] = []
 
         def stream() -> None:
@@ -82,17 +58,15 @@ def measure_ours(serve: str, model: str, prompt_ids: list[int], stream_tokens: i
         return {"longest_stall_s": round(max(gaps), 2), "median_gap_s": round(sorted(gaps)[len(gaps) // 2], 3),
                 "long_prompt_ttft_s": round(ttft, 2), "stream_chunks": len(arrivals)}
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        server.stop()
 
 
 def measure_llamacpp(server: str, model: str, prompt_ids: list[int]) -> dict:
-    from specdecode.bench.llamacpp import LlamaServer, peer_gguf
     from specdecode.models.catalog import resolve_model
 
     gguf = peer_gguf(resolve_model(model))
-    llama = LlamaServer(Path(server), ["-m", str(gguf), "-t", "2", "-tb", "2", "-c", "8192", "-np", "1"],
-                        Path("/dev/null"))
+    llama = ServerProcess([server, "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "8192", "-np", "1"],
+                          Path("/dev/null"))
     llama.start()
     try:
         start = time.perf_counter()

@@ -76,12 +76,14 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
     return target
 
 
-class LlamaServer:
-    """One ``llama-server`` process on a free loopback port, ready when ``start`` returns."""
+class ServerProcess:
+    """An HTTP server process on a free loopback port, ready when ``start`` returns: ``program``
+    (llama-server, or ``specdecode serve``) gets ``--host 127.0.0.1 --port N`` appended and must
+    answer ``GET /health`` with 200 once it can serve."""
 
-    def __init__(self, binary: Path, args: Sequence[str], log_path: Path,
-                 startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
-        self.binary, self.args, self.log_path = binary, list(args), log_path
+    def __init__(self, program: Sequence[str], log_path: Path, startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
+        self.program, self.log_path = list(program), log_path
+        self.name = Path(self.program[0]).name
         self.startup_timeout = startup_timeout
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -89,9 +91,9 @@ class LlamaServer:
 
     @property
     def command(self) -> list[str]:
-        return [str(self.binary), *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        return [*self.program, "--host", "127.0.0.1", "--port", str(self.port)]
 
-    def start(self) -> LlamaServer:
+    def start(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
@@ -99,13 +101,13 @@ class LlamaServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise PeerUnavailableError(f"llama-server exited with status {self.process.returncode} while "
+                raise PeerUnavailableError(f"{self.name} exited with status {self.process.returncode} while "
                                            f"starting:\n{self._log_tail()}")
             if self._healthy():
                 return self
             time.sleep(0.25)
         self.stop()
-        raise PeerUnavailableError(f"llama-server did not become ready within {self.startup_timeout:g} s; "
+        raise PeerUnavailableError(f"{self.name} did not become ready within {self.startup_timeout:g} s; "
                                    f"see {self.log_path}")
 
     def stop(self) -> None:
@@ -148,7 +150,7 @@ def llamacpp_contestants(
         args = [*args, *extra_args]
         if progress:
             print(f"bench: starting {name}: {binary.name} {shlex.join(args)}", file=sys.stderr, flush=True)
-        server = LlamaServer(binary, args, log_dir / f"{name}.log")
+        server = ServerProcess([str(binary), *args], log_dir / f"{name}.log")
         stack.callback(server.stop)
         server.start()
         method = "draft_model" if name == DRAFT else "none"
