@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -52,6 +51,7 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
     """
     from specdecode.errors import UnsupportedModelError
     from specdecode.models.catalog import specdecode_home
+    from specdecode.models.gguf_convert import join_parts
     from specdecode.models.gguf_native import gguf_sources
 
     try:
@@ -67,12 +67,7 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
         remove_stale_partials(target.parent)
         if target.is_file() and target.stat().st_size == size:
             return target
-        partial = partial_path(target)
-        with open(partial, "wb") as out:
-            for source in sources:
-                with open(source, "rb") as part:
-                    shutil.copyfileobj(part, out, 16 << 20)
-        os.replace(partial, target)
+        os.replace(join_parts(sources, partial_path(target), progress), target)
     return target
 
 

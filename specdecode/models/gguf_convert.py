@@ -102,7 +102,7 @@ def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: boo
     _check_disk_space(parts, out_dir.parent)
     started = time.monotonic()
     try:
-        gguf_file = parts[0] if len(parts) == 1 else _join_parts(parts, joined, progress)
+        gguf_file = parts[0] if len(parts) == 1 else join_parts(parts, joined, progress)
         partial.mkdir(parents=True)
         _convert_into(gguf_file, partial, progress, float_weights)
         _write_json(partial / MARKER_NAME, {
@@ -155,7 +155,7 @@ def write_float_weights(folder: Path, progress: bool = True) -> Path:
     remove_stale_partials(Path(folder))
     joined, partial = partial_path(target, "joined.gguf"), partial_path(target)
     try:
-        gguf_file = parts[0] if len(parts) == 1 else _join_parts(parts, joined, progress)
+        gguf_file = parts[0] if len(parts) == 1 else join_parts(parts, joined, progress)
         reader = _open_reader(gguf_file)
         meta = _metadata(reader, include_arrays=False)
         arch_name = str(meta.get("general.architecture"))
@@ -362,7 +362,7 @@ def _metadata(reader: Any, include_arrays: bool) -> dict[str, Any]:
     return meta
 
 
-def _join_parts(parts: list[Path], dest: Path, progress: bool) -> Path:
+def join_parts(parts: list[Path], dest: Path, progress: bool) -> Path:
     """Concatenate byte parts (not gguf-split shards) into one file next to the output."""
     from tqdm import tqdm
 

@@ -60,7 +60,7 @@ def _build(sources: list[Path], cached: Path, progress: bool) -> None:
     cached.parent.mkdir(parents=True, exist_ok=True)
     joined = partial_path(cached, "joined.gguf")
     try:
-        gguf_file = sources[0] if len(sources) == 1 else gguf_convert._join_parts(sources, joined, progress)
+        gguf_file = sources[0] if len(sources) == 1 else gguf_convert.join_parts(sources, joined, progress)
         reader = gguf_convert._open_reader(gguf_file)
         meta = gguf_convert._metadata(reader, include_arrays=True)
         arch_name = str(meta.get("general.architecture"))
