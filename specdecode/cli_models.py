@@ -1,4 +1,5 @@
-"""``specdecode models list|pull``: what the catalog knows and whether it is converted."""
+"""``specdecode models list|pull|verify``: what the catalog knows, whether it is converted, and
+whether its files are intact."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pull = sub.add_parser("pull", help="convert a named model now (it is otherwise converted on first use)")
     pull.add_argument("name", help="a catalog name, e.g. qwen2.5-coder-0.5b-instruct")
     pull.set_defaults(run=run_pull)
+    verify = sub.add_parser("verify", help="hash every file a named model runs from (its GGUF parts against pip's "
+                                           "RECORD, its converted and cached forms against the checksums recorded "
+                                           "when they were written); damaged caches are deleted so the next use "
+                                           "rebuilds them. Exit 1 when anything is damaged or missing")
+    verify.add_argument("name", help="a catalog name, e.g. qwen2.5-coder-1.5b-instruct")
+    verify.add_argument("--json", action="store_true", help="print a JSON list of findings instead of a table")
+    verify.set_defaults(run=run_verify)
 
 
 def run_list(args: argparse.Namespace) -> int:
@@ -39,3 +47,18 @@ def run_pull(args: argparse.Namespace) -> int:
 
     print(pull(args.name, progress=True))
     return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from specdecode.models.verify_model import verify
+
+    findings = verify(args.name, progress=not args.json)
+    if args.json:
+        print(json.dumps([f.to_json() for f in findings]))
+    else:
+        for f in findings:
+            print(f"{f.state.value:10} {f.what:10} {f.path}" + (f"  ({f.action})" if f.action else ""))
+    bad = [f for f in findings if f.problem]
+    if not args.json:
+        print(f"{args.name}: " + (f"{len(bad)} problem(s)" if bad else "intact"))
+    return 1 if bad else 0

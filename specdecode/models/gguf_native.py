@@ -30,6 +30,7 @@ from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
 from specdecode.files import partial_path
+from specdecode.models import checks
 
 REPACK_VERSION = 2
 # GGML type id -> (name, inputs per block, bytes per block). The kernel's type codes are these ids.
@@ -163,8 +164,9 @@ def cache_path(sources: Sequence[Path], home: Path) -> Path:
 
 def write_atomic(target: Path, arrays: Iterator[tuple[str, np.ndarray]], metadata: Callable[[], dict[str, str]]) -> None:
     """Stream named arrays into a safetensors file, one array in memory at a time, renamed into
-    place when whole. The data goes to a side file first (the header, which comes first in the
-    file, is known only at the end); ``metadata`` is asked for once every array has been seen."""
+    place when whole, its size and hash recorded beside it (``checks``). The data goes to a side
+    file first (the header, which comes first in the file, is known only at the end);
+    ``metadata`` is asked for once every array has been seen."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp, data = partial_path(target), partial_path(target, "data")
     try:
@@ -183,13 +185,15 @@ def write_atomic(target: Path, arrays: Iterator[tuple[str, np.ndarray]], metadat
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-(8 + len(blob)) % 32)
         with open(tmp, "wb") as out, open(data, "rb") as src:
-            out.write(len(blob).to_bytes(8, "little"))
-            out.write(blob)
-            shutil.copyfileobj(src, out, 16 << 20)
+            hashing = checks.HashingWriter(out)
+            hashing.write(len(blob).to_bytes(8, "little"))
+            hashing.write(blob)
+            shutil.copyfileobj(src, hashing, 16 << 20)
             out.flush()
             os.fsync(out.fileno())
         if tmp.stat().st_size != 8 + len(blob) + size:
             raise OSError(f"short write of {tmp}")
+        checks.write_sidecar(target, hashing.record())
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

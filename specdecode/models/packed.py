@@ -5,7 +5,8 @@ linear calls; the lm_head of a tied model is the embedding itself. Building the 
 copies most of the weights (several seconds for the 1.5B model here); memory-mapping the cached
 result takes well under a second and keeps only one copy of the weights in RAM.
 The cache lives under ``$SPECDECODE_HOME/packed/`` keyed by the checkpoint's path, size, mtime
-and dtype, so a changed checkpoint is repacked, and is written atomically.
+and dtype, so a changed checkpoint is repacked, and is written atomically with its size and hash
+recorded beside it (``checks``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError, WeightsMissingError
 from specdecode.files import partial_path, remove_stale_partials
+from specdecode.models import checks
 from specdecode.models.config import ModelConfig
 
 PACK_VERSION = 2
@@ -34,13 +36,16 @@ def load_packed(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str
     if not files:
         raise WeightsMissingError(f"no *.safetensors files in {path}")
     cached = _cache_file(files, dtype)
+    crashed = bool(remove_stale_partials(cached.parent))  # a 7 GB .partial of a killed run, say
     if cached.exists():
         try:
+            if not checks.intact(cached, full=crashed, progress=True):
+                raise ValueError("its size or checksum differs from the record")
             return _read(cached)
         except Exception as exc:  # noqa: BLE001 - truncated or garbage: a derived file, so rebuild it
             print(f"specdecode: the packed cache {cached.name} is damaged ({str(exc)[:80]}); rebuilding it",
                   file=sys.stderr)
-            cached.unlink(missing_ok=True)
+            checks.remove_with_sidecar(cached)
     weights = _read_all(files)
     config.check_layers(weights, path)
     packed = pack(weights, config, dtype)
@@ -88,7 +93,6 @@ def _cache_file(files: list[Path], dtype: torch.dtype) -> Path:
     key = json.dumps([PACK_VERSION, str(dtype)] + [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
                                                    for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    remove_stale_partials(specdecode_home() / "packed")  # a 7 GB .partial of a killed run, say
     return specdecode_home() / "packed" / f"{files[0].parent.name}-{digest}.safetensors"
 
 
@@ -109,6 +113,7 @@ def _write_atomic(target: Path, tensors: dict[str, Tensor]) -> None:
     tmp = partial_path(target)
     try:
         save_file(tensors, str(tmp), metadata={"pack_version": str(PACK_VERSION)})
+        checks.write_sidecar(target, checks.hash_file(tmp))
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
