@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 class LiveServer:
     """Runs an ASGI app with uvicorn in a thread, bound to 127.0.0.1 on a port the OS picks."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config: Any) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -73,6 +73,8 @@ def sse_events(text: str) -> list[str]:
     assert blocks[-1] == ""
     events = []
     for block in blocks[:-1]:
+        if block.startswith(":"):  # a comment: the server's keep-alive while no event is ready
+            continue
         assert block.startswith("data: ") and "\n" not in block, block
         events.append(block[len("data: "):])
     return events

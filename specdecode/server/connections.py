@@ -9,6 +9,14 @@ connection whose request headers have not all arrived ``header_timeout`` seconds
 connection beyond ``max_connections`` with a JSON 503 at once. Idle kept-alive connections are
 closed by uvicorn's ``timeout_keep_alive``; a body that stalls is the app's to time out
 (``app._read_json``). Each cause is logged once a minute with a count, not once per event.
+
+A client may half-close its side once its request is sent (``shutdown(SHUT_WR)``, ``nc -N``): HTTP
+allows it, and it still wants the answer. uvicorn takes the end of input for a disconnect and
+drops the request. Here a connection whose request arrived whole stays open for the response; as
+a FIN alone cannot tell a half-close from a client that left, the connection is probed while the
+answer is not ready (an interim ``100 Continue`` each second, which HTTP/1.1 clients skip; a
+stream's keep-alive comments do the same, ``streaming.EventStreamResponse``). A client that left
+answers the probe with a reset, and the next write ends the request as a disconnect.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0  # for 1 MiB at dial-up speed; a stalled upload ends with 408
 DEFAULT_MAX_CONNECTIONS = 512
 _LOG_EVERY_S = 60.0
+_PROBE_EVERY_S = 1.0  # after a half-close: how soon a client that left is noticed (about twice this)
 
 
 def _busy_response() -> bytes:
@@ -61,6 +70,8 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._header_timer: Any = None
+            self._probe_timer: Any = None
+            self._half_closed = False
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -80,7 +91,32 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._stop_probing()
             super().connection_lost(exc)
+
+        def eof_received(self) -> bool | None:  # type: ignore[override]
+            """Keep a half-closed connection open for the answer to its complete request."""
+            whole = self._in_request() and not self.cycle.more_body
+            if not whole or self.conn.their_http_version != b"1.1":
+                return None  # nothing to answer (or a 1.0 client, which 1xx probes would confuse): close
+            self._half_closed = True
+            self._probe_timer = self.loop.call_later(_PROBE_EVERY_S, self._probe)
+            return True
+
+        def _probe(self) -> None:
+            self._probe_timer = None
+            if not self._in_request() or self.transport.is_closing():
+                return
+            if not self.cycle.response_started:  # a started response (a stream) is probed by its writes
+                import h11
+
+                self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")))
+            self._probe_timer = self.loop.call_later(_PROBE_EVERY_S, self._probe)
+
+        def _stop_probing(self) -> None:
+            if self._probe_timer is not None:
+                self._probe_timer.cancel()
+                self._probe_timer = None
 
         def _in_request(self) -> bool:
             return self.cycle is not None and not self.cycle.response_complete
@@ -102,6 +138,9 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
 
         def on_response_complete(self) -> None:
             self._disarm()  # uvicorn's keep-alive timer covers the idle time until the next request
+            self._stop_probing()
             super().on_response_complete()
+            if self._half_closed:  # the client can send no other request
+                self.transport.close()
 
     return GuardedH11Protocol

@@ -105,14 +105,48 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
+KEEPALIVE_EVERY_S = 2.0
+
+
+async def with_keepalives(content: AsyncIterator[str], every: float = KEEPALIVE_EVERY_S) -> AsyncIterator[str]:
+    """``content``, with an SSE comment line whenever the next event takes longer than ``every``
+    seconds (a long prompt's prefill). Clients skip comments; the writes keep proxies from timing
+    the stream out and show a client that left (its reset fails the next write) while no token
+    flows. Closing this closes ``content``."""
+    source = aiter(content)
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
+            arrived, pending = pending, None
+            try:
+                item = arrived.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:  # the next event was being waited for: stop that wait first
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        close = getattr(source, "aclose", None)
+        if close is not None:
+            await close()
+
+
 class EventStreamResponse(StreamingResponse):
     """``text/event-stream`` that stops writing, and closes its event source (cancelling the job),
-    as soon as the client disconnects."""
+    as soon as the client disconnects; a comment line every ``KEEPALIVE_EVERY_S`` without events."""
 
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(with_keepalives(content, KEEPALIVE_EVERY_S), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
