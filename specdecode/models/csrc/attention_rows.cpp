@@ -13,7 +13,8 @@
 // (an 8-lane FMA chain over the head dimension, then a fixed reduction tree) times ``scale``;
 // m = their max; p_j = exp(s_j - m) by a polynomial (``exp8``: the same operations in both builds,
 // unlike libm's exp); out = (sum_j p_j v_j) / (sum_j p_j), both sums running over j in order.
-// A task is one row and one kv head: its query heads share each key and value load.
+// A task is one row and one kv head: its query heads share each key and value load (the same
+// chains as one head at a time, so the bits do not change with the grouping).
 #include <torch/extension.h>
 
 #include <cmath>
@@ -27,62 +28,95 @@ namespace {
 
 using namespace lanes;
 
-// Scores of keys j0..j0+3 for one query: four independent FMA chains over the head dimension.
-inline void dot4(const float* q, const float* k0, int64_t stride, int64_t d, float scale, float* s) {
-    V8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+// Scores of H query heads (rows of q, stride d) against J consecutive keys: H * J FMA chains over
+// the head dimension, each the one chain a lone (head, key) pair runs, so grouping changes no bit.
+// Sharing each key load among the heads is what makes this fast: the keys of a deep context do not
+// fit the L2 cache, and reading them once per kv head instead of once per query head cuts the
+// traffic by the group size.
+template <int H, int J>
+inline void scores(const float* q, const float* k, int64_t d, float scale, float* s, int64_t ld) {
+    V8 a[H][J];
+    for (int h = 0; h < H; ++h)
+        for (int j = 0; j < J; ++j) a[h][j] = splat(0.f);
     for (int64_t c = 0; c < d; c += 8) {
-        const V8 qc = load(q + c);
-        a0 = fma(qc, load(k0 + c), a0);
-        a1 = fma(qc, load(k0 + stride + c), a1);
-        a2 = fma(qc, load(k0 + 2 * stride + c), a2);
-        a3 = fma(qc, load(k0 + 3 * stride + c), a3);
+        V8 kc[J];
+        for (int j = 0; j < J; ++j) kc[j] = load(k + j * d + c);
+        for (int h = 0; h < H; ++h) {
+            const V8 qc = load(q + h * d + c);
+            for (int j = 0; j < J; ++j) a[h][j] = fma(qc, kc[j], a[h][j]);
+        }
     }
-    s[0] = reduce8(a0) * scale, s[1] = reduce8(a1) * scale, s[2] = reduce8(a2) * scale, s[3] = reduce8(a3) * scale;
+    for (int h = 0; h < H; ++h)
+        for (int j = 0; j < J; ++j) s[h * ld + j] = reduce8(a[h][j]) * scale;
 }
 
-inline float dot1(const float* q, const float* k, int64_t d, float scale) {
-    V8 a = splat(0.f);
-    for (int64_t c = 0; c < d; c += 8) a = fma(load(q + c), load(k + c), a);
-    return reduce8(a) * scale;
-}
-
-// out[0 .. 8*NV) = sum over j < len of p[j] * v[j][0 .. 8*NV), j in order, NV chains in registers.
-template <int NV>
-inline void weighted_sum(const float* p, const float* v, int64_t stride, int64_t len, float inv, float* out) {
-    V8 acc[NV];
-    for (int t = 0; t < NV; ++t) acc[t] = splat(0.f);
+// out_h[0 .. 8*NV) = inv_h * sum over j < len of p_h[j] * v[j][0 .. 8*NV), for H heads sharing each
+// value load; every output lane is one chain over j in order.
+template <int H, int NV>
+inline void weighted_sums(const float* p, int64_t ld, const float* v, int64_t d, int64_t len, const float* inv,
+                          float* out) {
+    V8 acc[H][NV];
+    for (int h = 0; h < H; ++h)
+        for (int t = 0; t < NV; ++t) acc[h][t] = splat(0.f);
     for (int64_t j = 0; j < len; ++j) {
-        const V8 pj = splat(p[j]);
-        const float* vj = v + j * stride;
-        for (int t = 0; t < NV; ++t) acc[t] = fma(pj, load(vj + 8 * t), acc[t]);
+        const float* vj = v + j * d;
+        V8 vt[NV];
+        for (int t = 0; t < NV; ++t) vt[t] = load(vj + 8 * t);
+        for (int h = 0; h < H; ++h) {
+            const V8 pj = splat(p[h * ld + j]);
+            for (int t = 0; t < NV; ++t) acc[h][t] = fma(pj, vt[t], acc[h][t]);
+        }
     }
-    for (int t = 0; t < NV; ++t) store(out + 8 * t, mul(acc[t], splat(inv)));
+    for (int h = 0; h < H; ++h)
+        for (int t = 0; t < NV; ++t) store(out + h * d + 8 * t, mul(acc[h][t], splat(inv[h])));
 }
 
-// One row's attention for the query heads of one kv head.
+// One row's attention for H query heads of one kv head (their scores in s, H rows of stride ld).
+// Keys per score block and value lanes per pass are as many as fit the 16 vector registers.
+template <int H>
+void head_block(const float* q, const float* k, const float* v, int64_t d, int64_t len, float scale, float* out,
+                float* s, int64_t ld) {
+    constexpr int J = H == 1 ? 4 : H <= 4 ? 3 : H <= 6 ? 2 : 1;
+    constexpr int NV = H == 1 ? 8 : H <= 3 ? 4 : H <= 6 ? 2 : 1;
+    int64_t j = 0;
+    for (; j + J <= len; j += J) scores<H, J>(q, k + j * d, d, scale, s + j, ld);
+    for (; j < len; ++j) scores<H, 1>(q, k + j * d, d, scale, s + j, ld);
+    float inv[H];
+    for (int h = 0; h < H; ++h) {
+        float* sh = s + h * ld;
+        float m = sh[0];
+        for (j = 1; j < len; ++j) m = sh[j] > m ? sh[j] : m;
+        for (j = len; j < ld; ++j) sh[j] = m;  // padding lanes: computed, never summed
+        const V8 mv = splat(m);
+        for (j = 0; j < ld; j += 8) store(sh + j, exp8(sub(load(sh + j), mv)));
+        float total = 0.f;
+        for (j = 0; j < len; ++j) total += sh[j];
+        inv[h] = 1.f / total;
+    }
+    int64_t c = 0;
+    for (; c + 8 * NV <= d; c += 8 * NV) weighted_sums<H, NV>(s, ld, v + c, d, len, inv, out + c);
+    for (; c < d; c += 8) weighted_sums<H, 1>(s, ld, v + c, d, len, inv, out + c);
+}
+
+// One row's attention for the query heads of one kv head, in blocks of up to 8 heads.
 void row_group(const float* q, const float* k, const float* v, int64_t group, int64_t d, int64_t len,
                float scale, float* out, std::vector<float>& buf) {
-    const int64_t padded = (len + 7) / 8 * 8;
-    buf.resize(padded);
+    const int64_t ld = (len + 7) / 8 * 8;
+    buf.resize(8 * ld);
     float* s = buf.data();
-    for (int64_t h = 0; h < group; ++h) {
+    for (int64_t h = 0; h < group; h += 8) {
         const float* qh = q + h * d;
-        int64_t j = 0;
-        for (; j + 4 <= len; j += 4) dot4(qh, k + j * d, d, d, scale, s + j);
-        for (; j < len; ++j) s[j] = dot1(qh, k + j * d, d, scale);
-        float m = s[0];
-        for (j = 1; j < len; ++j) m = s[j] > m ? s[j] : m;
-        for (j = len; j < padded; ++j) s[j] = m;  // padding lanes: computed, never summed
-        const V8 mv = splat(m);
-        for (j = 0; j < padded; j += 8) store(s + j, exp8(sub(load(s + j), mv)));
-        float total = 0.f;
-        for (j = 0; j < len; ++j) total += s[j];
-        const float inv = 1.f / total;
         float* oh = out + h * d;
-        int64_t c = 0;
-        for (; c + 64 <= d; c += 64) weighted_sum<8>(s, v + c, d, len, inv, oh + c);
-        for (; c + 32 <= d; c += 32) weighted_sum<4>(s, v + c, d, len, inv, oh + c);
-        for (; c < d; c += 8) weighted_sum<1>(s, v + c, d, len, inv, oh + c);
+        switch (group - h >= 8 ? 8 : group - h) {
+            case 1: head_block<1>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 2: head_block<2>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 3: head_block<3>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 4: head_block<4>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 5: head_block<5>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 6: head_block<6>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 7: head_block<7>(qh, k, v, d, len, scale, oh, s, ld); break;
+            default: head_block<8>(qh, k, v, d, len, scale, oh, s, ld); break;
+        }
     }
 }
 

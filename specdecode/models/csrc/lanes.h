@@ -72,11 +72,18 @@ inline V8 pow2(V8 n) {
 #undef LANES
 #endif
 
-// Lanes 0..7 summed in a fixed tree.
+// Lanes 0..7 summed in a fixed tree: ((f0 + f4) + (f2 + f6)) + ((f1 + f5) + (f3 + f7)). The AVX2
+// version adds the halves, then the halves of that, then the last two: the same tree in registers.
 inline float reduce8(V8 a) {
+#if defined(__AVX2__)
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));  // f0+f4 .. f3+f7
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));  // (f0+f4)+(f2+f6), (f1+f5)+(f3+f7)
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+#else
     alignas(32) float f[8];
     store(f, a);
     return ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7]));
+#endif
 }
 
 // exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
