@@ -7,22 +7,16 @@ default given at construction).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_SPECULATIVE_TOKENS,
-                               DRAFT_MODEL_METHODS, ModelSpec, SamplingParams, SpecConfig)
+from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL,
+                               ModelSpec, SamplingParams, SpecConfig)
 from specdecode.drafters.base import Drafter
-from specdecode.drafters.combined import CombinedDrafter
-from specdecode.drafters.cross_vocab import CrossVocabDrafter
-from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.lookahead import (LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW,
-                                           LookaheadDrafter)
-from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.self_spec import SelfSpecDrafter
-from specdecode.drafters.suffix import SuffixDrafter
-from specdecode.drafters.tree import TreeDrafter
+from specdecode.drafters.registry import REGISTRY, DraftResources, build_drafter
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine import Engine, GenerationOutput
 from specdecode.index.datastore import Datastore
@@ -35,11 +29,6 @@ from specdecode.models.decoder import Decoder
 from specdecode.models.layer_choice import default_skip, load_skip
 from specdecode.tokenizer import Tokenizer
 
-DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}
-DEFAULT_MAX_SEQ_LEN = 4096
-
-
 class LLM:
     """A target model, an optional draft model, and the speculative methods over them."""
 
@@ -47,50 +36,39 @@ class LLM:
         self,
         model: str = DEFAULT_MODEL,
         draft: str | None = None,
-        method: str = "none",
-        num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
-        dtype: str = "float32",
+        *,
+        dtype: str = DEFAULT_DTYPE,
         max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-        ngram_min: int = 1,
-        ngram_max: int = 4,
-        progress: bool = True,
-        adaptive: bool = True,
-        draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE,
+        quantize: str | None = None,
         draft_quantize: str | None = DEFAULT_DRAFT_QUANTIZE,
         datastore: str | None = None,
-        lookahead_window: int = LOOKAHEAD_WINDOW,
-        lookahead_ngram: int = LOOKAHEAD_NGRAM,
-        lookahead_candidates: int = LOOKAHEAD_CANDIDATES,
-        quantize: str | None = None,
+        progress: bool = True,
+        **spec: Any,
     ) -> None:
-        """``adaptive``: the draft length follows each request's acceptance, up to
-        ``num_speculative_tokens`` (False: that many every step). ``draft_confidence``: the draft
-        model stops drafting once its probability for the draft so far (the product of its token
-        probabilities) falls below this; 0 never stops early, so with ``adaptive=False`` every
-        draft has exactly ``num_speculative_tokens`` tokens.
+        """``spec``: any ``SpecConfig`` field (``method``, ``num_speculative_tokens``,
+        ``adaptive``, ``draft_confidence``, ``ngram_min``/``ngram_max``, ``lookahead_*``), the
+        defaults for every call; documented and validated there.
         ``draft_quantize``: "int4" (the default) gives the draft's decode steps 4-bit weights
         and one native call per forward (on x86 CPUs with AVX2, else int8 with a warning);
         "int8" gives it int8 weights; either way exactness is unaffected. None or "none" keeps it
         in ``dtype``. Without fbgemm (non-x86 builds of torch) the draft stays in ``dtype``, warned.
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
         also drafts from each prompt and from earlier requests without one.
-        ``lookahead_*``: window, n-gram size and verified candidates of ``method="lookahead"``.
         ``quantize``: how the *target* runs. "native" (the default for a model converted from
         GGUF, every catalog model) runs the GGUF's quantized weights as shipped through integer
         kernels, activations quantized per row; "none" (the default otherwise) runs float weights
         dequantized once; "int8" gives float32 weights per-row int8. Each is a slightly different
         model; every method is exact with respect to the one chosen, which ``method="none"`` runs."""
-        self.spec = SpecConfig(method, num_speculative_tokens, ngram_min, ngram_max)
-        if not 0.0 <= draft_confidence < 1.0:
-            raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
-        self.adaptive, self.draft_confidence = adaptive, draft_confidence
-        self.lookahead = (lookahead_window, lookahead_ngram, lookahead_candidates)
-        LookaheadDrafter(*self.lookahead)  # validates the settings before any weights load
+        unknown = sorted(set(spec) - {f.name for f in dataclasses.fields(SpecConfig)})
+        if unknown:
+            raise InvalidConfigError(f"LLM() got unknown setting(s) {', '.join(unknown)}; the speculative ones are "
+                                     f"{', '.join(f.name for f in dataclasses.fields(SpecConfig))}")
+        self.spec = SpecConfig(**spec)
         self.model_spec = ModelSpec(model, dtype, max_seq_len)
-        if draft is None and method in DRAFT_MODEL_METHODS:
+        if draft is None and REGISTRY[self.spec.method].needs_draft_model:
             draft = DEFAULT_DRAFTS.get(model)
             if draft is None:
-                raise InvalidConfigError(f"method {method!r} needs a draft model for {model!r}: pass draft=")
+                raise InvalidConfigError(f"method {self.spec.method!r} needs a draft model for {model!r}: pass draft=")
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
         # Checked before the weights load, so a wrong store fails in a second, not a minute.
@@ -121,8 +99,11 @@ class LLM:
                       file=sys.stderr)
         self.model_name, self.draft_name, self.model_dir = model, draft, path
         self._self_skip: list[int] | None = None  # layers --method self skips, read on first use
-        self.suffix_history = SuffixHistory()  # earlier requests' tokens, shared by suffix drafters
         self._drafters: dict[str, Drafter] = {}
+        self.suffix_history = SuffixHistory()  # earlier requests' tokens, shared by suffix drafters
+        self.resources = DraftResources(self.spec, self.target, self.tokenizer, self.draft_model,
+                                        self.draft_tokenizer, draft, self.datastore, self.suffix_history,
+                                        lambda: self.self_skip)
 
     def _foreign_tokenizer(self, draft: str, draft_path: Path) -> Tokenizer | None:
         """The draft's tokenizer when its drafts must be translated through text (another
@@ -149,35 +130,7 @@ class LLM:
     def new_drafter(self, method: str | None = None, capacity: int | None = None) -> Drafter | None:
         """A fresh drafter with its own state, for one of several concurrent requests;
         ``capacity``: the most tokens its sequence will hold (sizes a draft model's cache)."""
-        method = self._method(method)
-        capacity = capacity or self.engine.max_seq_len
-        if method == "none":
-            return None
-        if method == "ngram":
-            return NgramDrafter(self.spec.ngram_min, self.spec.ngram_max)
-        if method == "lookahead":
-            return LookaheadDrafter(*self.lookahead)
-        if method == "suffix":
-            return SuffixDrafter(self.datastore, self.suffix_history)
-        if method == "self":
-            return SelfSpecDrafter(self.target, self.self_skip, capacity, self.draft_confidence)
-        if self.draft_model is None:
-            raise InvalidConfigError(f"method {method!r} needs a draft model: pass draft=")
-        if self.draft_tokenizer is not None:
-            draft = CrossVocabDrafter(self.draft_model, self.draft_tokenizer, self.tokenizer, capacity,
-                                      self.draft_confidence)
-        else:
-            draft = DraftModelDrafter(self.draft_model, self.target.config.vocab_size, capacity,
-                                      self.draft_confidence)
-        if method == "draft_model":
-            return draft
-        if method == "tree":
-            if not isinstance(draft, DraftModelDrafter):
-                raise VocabularyMismatchError(f"method 'tree' branches on the draft's own token choices and "
-                                              f"needs a draft of the target's vocabulary; {self.draft_name!r} "
-                                              "has another one (use draft_model or combined with it)")
-            return TreeDrafter(draft)
-        return CombinedDrafter(draft, ngram_max=max(3, self.spec.ngram_max))
+        return build_drafter(self._method(method), self.resources, capacity or self.engine.max_seq_len)
 
     @property
     def self_skip(self) -> list[int]:
@@ -189,8 +142,7 @@ class LLM:
         return self._self_skip
 
     def _method(self, method: str | None) -> str:
-        return SpecConfig(method or self.spec.method, self.spec.num_speculative_tokens,
-                          self.spec.ngram_min, self.spec.ngram_max).method
+        return dataclasses.replace(self.spec, method=method).method if method else self.spec.method
 
     def generate(
         self,
@@ -224,7 +176,7 @@ class LLM:
         """Yield text as it is accepted; the pieces join to ``generate``'s text."""
         ids = self.tokenizer.encode(prompt)
         k = num_speculative_tokens or self.spec.num_speculative_tokens
-        for event in self.engine.stream(ids, params or SamplingParams(), self.drafter(method), k, self.adaptive):
+        for event in self.engine.stream(ids, params or SamplingParams(), self.drafter(method), k, self.spec.adaptive):
             if event.text:
                 yield event.text
 
@@ -236,7 +188,7 @@ class LLM:
     def _run(self, ids: list[int], params: SamplingParams | None, method: str | None,
              k: int | None) -> GenerationOutput:
         k = k or self.spec.num_speculative_tokens
-        return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k, self.adaptive)
+        return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k, self.spec.adaptive)
 
 
 def target_quantize(mode: str | None, dtype: str, path: Path) -> str | None:

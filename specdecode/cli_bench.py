@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.cli_options import add_draft_options, add_method_options, add_quantize_option, method_options
-from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DRAFT_MODEL_METHODS, DTYPES, METHODS, SamplingParams
+from specdecode.config import (DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS,
+                               DTYPES, SamplingParams)
+from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,ngram,draft_model"
@@ -47,14 +49,14 @@ class Plan:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+    p.add_argument("--model", default=DEFAULT_MODEL,
                    help="target: catalog name, local HF folder, .gguf file or hub id; with --endpoint, the "
                         "model name sent to the server (default: %(default)s)")
     p.add_argument("--draft", default=None,
                    help="draft model for draft_model and for the hf_assisted peer (default: the catalog's "
                         "pair of the default target)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated methods from {', '.join(METHODS)}; none is always run as the "
+                   help=f"comma-separated methods from {', '.join(METHOD_NAMES)}; none is always run as the "
                         "reference (default: %(default)s)")
     ks = p.add_mutually_exclusive_group()
     ks.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
@@ -97,8 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed repetitions of every prompt, interleaved A B C, A B C (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: bench-results/<timestamp>/)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="compute dtype (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="context length to allocate (default: %(default)s)")
     p.add_argument("--endpoint", default=None, metavar="URL",
                    help="benchmark an OpenAI-compatible server at URL instead of local models "
                         "(streaming TTFT, TPOT, tokens/s)")
@@ -161,7 +163,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     ks = _parse_ks(args.sweep_k) if args.sweep_k is not None else [args.k]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
-        raise InvalidConfigError("--methods is empty; name at least one of " + ", ".join(METHODS))
+        raise InvalidConfigError("--methods is empty; name at least one of " + ", ".join(METHOD_NAMES))
     if "none" not in methods and not args.endpoint:
         print("specdecode: note: adding method 'none': it is the reference for speedups and identity checks",
               file=sys.stderr)
@@ -201,7 +203,7 @@ def _out_dir(out: Path | None) -> Path:
 
 
 def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[str, Any], list[Any]]:
-    from specdecode.api import DEFAULT_DRAFTS, LLM
+    from specdecode.api import LLM
     from specdecode.bench.report import RESULTS_FILE, ResultsWriter
     from specdecode.bench.runner import our_contestants, run_benchmark, target_step_timer
     from specdecode.bench.summary import summarize

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from specdecode.calibrate import (DEFAULT_CALIBRATION_K, DEFAULT_CALIBRATION_TOKENS, DEFAULT_CANDIDATES,
                                   DEFAULT_MAX_SKIP)
-from specdecode.cli_options import DEFAULT_MODEL_NAME
+from specdecode.config import DEFAULT_MODEL
 from specdecode.errors import InvalidConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL_NAME,
+    p.add_argument("--model", default=DEFAULT_MODEL,
                    help="target: a catalog name, a local HF folder, a .gguf file or a hub id (default: %(default)s)")
     p.add_argument("--prompts", type=Path, default=None, metavar="FILE",
                    help="calibration prompts: a text file with one prompt per line, or a .jsonl file of "

@@ -9,13 +9,14 @@ from pathlib import Path
 
 from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
-from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS, SamplingParams
+from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_SPECULATIVE_TOKENS, DTYPES, SamplingParams
+from specdecode.drafters.registry import METHOD_NAMES
 from specdecode.errors import InvalidConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
-    p.add_argument("--method", choices=METHODS, default="none",
+    p.add_argument("--method", choices=METHOD_NAMES, default="none",
                    help=METHOD_HELP + " (default: %(default)s)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
                    help="draft tokens proposed per step (default: %(default)s)")
@@ -31,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the top K tokens; 0 = off (default)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="context length to allocate (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="compute dtype (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="context length to allocate (default: %(default)s)")
     add_draft_options(p)
     add_quantize_option(p)
     add_method_options(p)
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
               **method_options(args, [args.method]))
     ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
     if not args.json and not args.compare:
-        for event in llm.engine.stream(ids, params, llm.drafter(), args.k, llm.adaptive):
+        for event in llm.engine.stream(ids, params, llm.drafter(), args.k, llm.spec.adaptive):
             print(event.text, end="", flush=True)
             out = event.output
         print()
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.compare:  # the first forward pages the weights in; keep that out of both timings
         llm.engine.generate(ids, SamplingParams(max_tokens=2), llm.drafter(), args.k)
-    out = llm.engine.generate(ids, params, llm.drafter(), args.k, llm.adaptive)
+    out = llm.engine.generate(ids, params, llm.drafter(), args.k, llm.spec.adaptive)
     base = llm.engine.generate(ids, params, None, args.k) if args.compare else None
     if args.json:
         print(json.dumps(_report(out, base)))

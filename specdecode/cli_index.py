@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specdecode.cli_options import DEFAULT_MODEL_NAME
+from specdecode.config import DEFAULT_MODEL
 from specdecode.errors import DatastoreError
 
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     build.add_argument("paths", nargs="+", metavar="PATH", help="files and folders to index (folders recursively)")
     build.add_argument("-o", "--output", required=True, metavar="STORE",
                        help="the datastore folder to create")
-    build.add_argument("--model", default=DEFAULT_MODEL_NAME, metavar="NAME_OR_PATH",
+    build.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_PATH",
                        help="whose tokenizer to use: a catalog name, HF folder or .gguf file; use the model you "
                             "will generate with; its weights are not loaded (default: %(default)s)")
     build.add_argument("--ext", default=None, metavar="EXTS",

@@ -7,23 +7,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from specdecode.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DRAFT_QUANTIZE_CHOICES
-from specdecode.drafters.lookahead import LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_MODEL, DRAFT_QUANTIZE_CHOICES,
+                               LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW)
+from specdecode.drafters.registry import method_help
 
-DEFAULT_MODEL_NAME = "qwen2.5-coder-1.5b-instruct"
-
-METHOD_HELP = ("none = plain decoding; ngram = prompt lookup; draft_model = a small model drafts (one "
-               "of another vocabulary drafts through text); combined = n-gram when the context "
-               "matches, else the draft model; tree = the draft model's chain plus its second "
-               "choices and n-gram copies, verified as one token tree; lookahead = Jacobi "
-               "n-grams guessed and checked in the same forward; suffix = the longest seen suffix's "
-               "most frequent continuation (prompt, earlier requests, --datastore); self = the "
-               "target drafts with some of its layers skipped (see `specdecode calibrate`)")
+METHOD_HELP = method_help()
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """``--model`` and ``--draft`` for commands that load the pair themselves (generate, serve)."""
-    p.add_argument("--model", default=DEFAULT_MODEL_NAME,
+    p.add_argument("--model", default=DEFAULT_MODEL,
                    help="target: a catalog name (see `specdecode models list`), a local HF folder, "
                         "a .gguf file or a hub id (default: %(default)s)")
     p.add_argument("--draft", default=None,

@@ -13,7 +13,8 @@ import time
 
 from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
-from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, DTYPES, METHODS
+from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_SPECULATIVE_TOKENS, DTYPES
+from specdecode.drafters.registry import METHOD_NAMES
 from specdecode.errors import InvalidConfigError
 from specdecode.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                            DEFAULT_MAX_CONNECTIONS, guarded_protocol)
@@ -23,7 +24,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
-    p.add_argument("--method", choices=METHODS, default="none",
+    p.add_argument("--method", choices=METHOD_NAMES, default="none",
                    help=METHOD_HELP + " (default: %(default)s)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
                    help="most draft tokens proposed per step (default: %(default)s)")
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests generating at once (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait beyond those; more get HTTP 429 (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=4096,
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help="context length to allocate: prompt plus new tokens (default: %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; larger get HTTP 413 (default: %(default)s)")
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "IP addresses and localhost always work. Other names are refused (HTTP 403) so a "
                         "web page cannot read answers by pointing its own name at this server (DNS "
                         "rebinding) (default: none)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="compute dtype (default: %(default)s)")
     add_draft_options(p)
     add_quantize_option(p)
     add_method_options(p)

@@ -12,11 +12,12 @@ import statistics
 import time
 
 from specdecode.cli_options import add_quantize_option
+from specdecode.config import DEFAULT_DTYPE, DEFAULT_MODEL, DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target model (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, action="append",
                    help="draft tokens per verify (repeatable; default: 1 3 7 8 11 15, i.e. 2, 4, 8, 9, 12 "
                         "and 16 rows)")

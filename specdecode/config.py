@@ -9,11 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specdecode.drafters.registry import METHOD_NAMES
 from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 
-METHODS = ("none", "ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self")
-# Methods that draft with a separate draft model (and so need --draft or a default pair).
-DRAFT_MODEL_METHODS = ("draft_model", "combined", "tree")
 # Up to 12 drafts per step: with the int4 draft (12 ms a drafted token on the AVX2 machine) K=12
 # beat K=8 in each of four runs, by 2-6% for draft_model, combined, tree and ngram (lever 25 in
 # docs/PERFORMANCE.md); with the dearer int8 draft, 8 had beaten 5 and tied 12.
@@ -28,7 +26,14 @@ DEFAULT_DRAFT_CONFIDENCE = 0.5
 # to int8; "none" keeps the model dtype.
 DRAFT_QUANTIZE_CHOICES = ("int8", "int4", "none")
 DEFAULT_DRAFT_QUANTIZE = "int4"
+# Lookahead: at most 4 * 2 window rows + 3 * 2 candidate rows, a verify about 1.3x a plain step
+# here (docs/PERFORMANCE.md).
+LOOKAHEAD_WINDOW, LOOKAHEAD_NGRAM, LOOKAHEAD_CANDIDATES = 4, 3, 3
 DTYPES = ("float32", "bfloat16")
+DEFAULT_DTYPE = "float32"
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}  # the draft a method uses unless told
+DEFAULT_MAX_SEQ_LEN = 4096  # context allocated per sequence
 # Below this a temperature is greedy decoding in all but name, and dividing float32 logits by it
 # overflows (1e-300 is 0 in float32); vLLM draws the same line.
 GREEDY_BELOW = 1e-5
@@ -75,24 +80,46 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
-    """Which drafter to use and how many tokens it proposes per step."""
+    """Every speculative setting, each validated here once. ``LLM`` takes them as keywords;
+    a per-call override is ``dataclasses.replace(spec, ...)``, which validates again."""
 
     method: str = "none"
+    """The drafting method (``drafters.registry``); "none" is plain decoding."""
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
-    ngram_min: int = 1  # shortest suffix the n-gram drafter tries to match
-    ngram_max: int = 4  # longest suffix it tries first
+    """Most drafts verified per step (K)."""
+    adaptive: bool = True
+    """The draft length follows each request's acceptance, up to K; False: K every step."""
+    draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
+    """A draft model stops drafting once its probability for the draft so far (the product of
+    its token probabilities) falls below this; 0 never stops early."""
+    ngram_min: int = 1
+    """Shortest context suffix the n-gram drafter tries to match."""
+    ngram_max: int = 4
+    """Longest suffix it tries first."""
+    lookahead_window: int = LOOKAHEAD_WINDOW
+    """Columns of the lookahead window (``method="lookahead"``)."""
+    lookahead_ngram: int = LOOKAHEAD_NGRAM
+    """Size of the n-grams lookahead collects and verifies."""
+    lookahead_candidates: int = LOOKAHEAD_CANDIDATES
+    """n-grams lookahead verifies per step."""
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InvalidConfigError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.method not in METHOD_NAMES:
+            raise InvalidConfigError(f"unknown method {self.method!r}; choose one of {', '.join(METHOD_NAMES)}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InvalidConfigError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}"
             )
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidConfigError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
             )
+        if self.lookahead_window < 1 or self.lookahead_ngram < 2 or self.lookahead_candidates < 0:
+            raise InvalidConfigError(
+                "lookahead needs window >= 1, ngram >= 2 and candidates >= 0; got "
+                f"{self.lookahead_window}, {self.lookahead_ngram}, {self.lookahead_candidates}")
 
 
 @dataclass(frozen=True, slots=True)

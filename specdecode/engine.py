@@ -73,7 +73,7 @@ class Generation:
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen)
         # A drafter may size its own proposals (a lookahead window's depth is not a draft length).
-        self.draft_length = DraftLength(k, adaptive and getattr(drafter, "adapts_length", True))
+        self.draft_length = DraftLength(k, adaptive and (drafter is None or drafter.adapts_length))
         self.stops = StopChecker(tokenizer, params)
         self.proposal = EMPTY_PROPOSAL
         cache.reset()
@@ -151,9 +151,7 @@ class Generation:
         new = self.stops.push(seq, result.tokens)
         if self.drafter is not None and not self.finished:
             t0 = time.perf_counter()
-            observe = getattr(self.drafter, "observe", None)  # drafters that learn from every row
-            if observe is not None:
-                observe(logits)
+            self.drafter.observe(logits)
             self.drafter.accept(seq, result.num_accepted)
             stats.draft_s += time.perf_counter() - t0
         return StreamEvent(self.stops.take_text(), new)
@@ -167,9 +165,8 @@ class Generation:
 
     def finish(self) -> StreamEvent:
         """The last event, carrying the whole output and its stats."""
-        done = getattr(self.drafter, "finish", None)  # drafters that learn from whole requests
-        if done is not None:
-            done(self.seq)
+        if self.drafter is not None:
+            self.drafter.finish(self.seq)
         self.stats.completion_tokens = self.seq.num_generated
         self.stats.total_s = time.perf_counter() - self.started
         output = GenerationOutput(

@@ -14,6 +14,8 @@ from typing import Any
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdecode.server.scheduler import JobQueue
+
 
 class LiveServer:
     """Runs an ASGI app with uvicorn in a thread, bound to 127.0.0.1 on a port the OS picks."""
@@ -98,12 +100,13 @@ def assert_openai_error(status: int, body: dict[str, Any], expected_status: int)
     return err
 
 
-class SlowJobs:
+class SlowJobs(JobQueue):
     """Wraps a scheduler so each job's events reach the app ``delay`` seconds apart, and counts
     ``cancel()`` calls: lets a test disconnect while its response is surely unfinished."""
 
     def __init__(self, inner: Any, delay: float) -> None:
         self.inner, self.delay = inner, delay
+        self.method, self.k = inner.method, inner.k
         self.submitted = self.cancels = 0
 
     @property

@@ -21,7 +21,7 @@ from server_support import LiveServer, SlowJobs, assert_openai_error, metric, ss
 from specdecode import LLM, SamplingParams
 from specdecode.errors import PromptTooLongError
 from specdecode.server.app import create_app
-from specdecode.server.scheduler import Scheduler
+from specdecode.server.scheduler import JobQueue, Scheduler
 
 MODEL = "tiny-pair"
 CHAT = "/v1/chat/completions"
@@ -514,10 +514,8 @@ def test_fuzz_raw_bytes_never_5xx(live, raw):
 # --- engine failures and browsers ----------------------------------------------------------------
 
 
-class _FailingJobs:
+class _FailingJobs(JobQueue):
     """A scheduler whose jobs fail inside generation, after submission succeeded."""
-
-    running = waiting = 0
 
     def __init__(self, exc: Exception) -> None:
         self.exc = exc

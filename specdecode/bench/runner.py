@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from specdecode.bench.workloads import Prompt
-from specdecode.config import METHODS, SamplingParams
+from specdecode.config import SamplingParams
+from specdecode.drafters.registry import METHOD_NAMES
 from specdecode.engine import GenerationOutput
 from specdecode.errors import InvalidConfigError
 
@@ -75,9 +76,9 @@ def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool,
     it the plain method name is used. Every row also carries ``method`` and ``k`` fields.
     ``schedules`` holds "adaptive" and/or "fixed"; with both, fixed-K rows get a ``+fixed`` suffix.
     """
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHOD_NAMES]
     if unknown:
-        raise InvalidConfigError(f"unknown method {unknown[0]!r} in --methods; choose from {', '.join(METHODS)}")
+        raise InvalidConfigError(f"unknown method {unknown[0]!r} in --methods; choose from {', '.join(METHOD_NAMES)}")
     for k in ks:
         if not 1 <= k <= 32:
             raise InvalidConfigError(f"K must be in [1, 32], got {k}")

@@ -9,7 +9,7 @@ never branches on a method's name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -89,14 +89,31 @@ class DraftProposal:
 EMPTY_PROPOSAL = DraftProposal(torch.empty(0, dtype=torch.long), None)
 
 
-class Drafter(Protocol):
+class Drafter:
+    """Base of every drafter. The engine calls each hook at its moment, unconditionally; the
+    defaults do nothing, so a drafter overrides only what it uses.
+
+    ``adapts_length``: the engine may shorten or lengthen ``k`` with the acceptance (False for a
+    drafter whose proposal size is its own, like a lookahead window). ``needs_hidden_states``:
+    the verify forward must hand the target's hidden states to ``observe`` (trained heads).
+    """
+
     name: ClassVar[str]
+    adapts_length: ClassVar[bool] = True
+    needs_hidden_states: ClassVar[bool] = False
 
     def begin(self, seq: SequenceState) -> None:
         """A new request: index the prompt, prefill a draft model, reset state."""
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
         """Up to ``k`` draft tokens continuing ``seq.token_ids``."""
+        raise NotImplementedError
+
+    def observe(self, logits: Tensor) -> None:
+        """The verify forward's logits [rows, V], before ``accept`` (drafters that learn from them)."""
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         """The first ``n_accepted`` drafts were kept and one more token was appended to ``seq``."""
+
+    def finish(self, seq: SequenceState) -> None:
+        """The request ended (drafters that learn from whole requests)."""

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from specdecode.drafters.base import DraftProposal, SequenceState
+from specdecode.drafters.base import DraftProposal, Drafter, SequenceState
 from specdecode.drafters.cross_vocab import CrossVocabDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 
 
-class CombinedDrafter:
+class CombinedDrafter(Drafter):
     name: ClassVar[str] = "combined"
 
     def __init__(self, draft: DraftModelDrafter | CrossVocabDrafter, min_match: int = 3, ngram_max: int = 4) -> None:

@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, SequenceState
+from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
 from specdecode.drafters.vocab import INCOMPLETE, common_prefix_len, stable_continuation
 from specdecode.models.decoder import Decoder
 from specdecode.sampling import greedy
@@ -55,7 +55,7 @@ TARGET_TAIL = 8  # committed target ids re-encoded with the draft text to find t
 DRAFT_CONTEXT = 4  # committed draft ids decoded before the drafts (decoders that treat a start specially)
 
 
-class CrossVocabDrafter:
+class CrossVocabDrafter(Drafter):
     """A draft model of another vocabulary, translated through text (see the module docstring)."""
 
     name: ClassVar[str] = "draft_model"

@@ -21,13 +21,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import DraftProposal, SequenceState
+from specdecode.drafters.base import DraftProposal, Drafter, SequenceState
 from specdecode.errors import VocabularyMismatchError
 from specdecode.models.decoder import Decoder
 from specdecode.sampling import greedy, logits_to_probs, sample
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name: ClassVar[str] = "draft_model"
 
     def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int, confidence: float = 0.0) -> None:

@@ -15,10 +15,10 @@ MAX_OCCURRENCES = 4  # positions kept per n-gram: the earliest and the next few
 
 import torch
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, SequenceState
+from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     name: ClassVar[str] = "ngram"
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:

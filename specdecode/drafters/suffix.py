@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, SequenceState
+from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
 from specdecode.errors import InvalidConfigError
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
@@ -36,7 +36,7 @@ __all__ = ["SuffixDrafter", "SuffixHistory"]
 _LONG_LEVEL = 8  # the own-context table's second n-gram level (see NgramTable)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     name: ClassVar[str] = "suffix"
 
     def __init__(

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, SequenceState
+from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 
@@ -53,7 +53,7 @@ class TokenTrie:
         return DraftProposal(torch.tensor(self.tokens, dtype=torch.long), None, tuple(self.parents))
 
 
-class TreeDrafter:
+class TreeDrafter(Drafter):
     name: ClassVar[str] = "tree"
 
     def __init__(self, draft: DraftModelDrafter, branch_positions: int = 2, ngram_branches: int = 2,

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ValidationError
@@ -26,12 +26,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdecode.api import LLM
-from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.server.connections import DEFAULT_BODY_TIMEOUT_S
 from specdecode.server.http_errors import APIError, bad_request, from_spec_error, from_validation_error
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdecode.server.protocol import ChunkWriter, chat_body, completion_body, prepare_chat, prepare_completion
+from specdecode.server.scheduler import JobQueue
 from specdecode.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from specdecode.server.streaming import EventStreamResponse, Job, TrackedJob, collect
 
@@ -43,16 +43,7 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics"
 CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
 
 
-class JobScheduler(Protocol):
-    """What the app needs from ``specdecode.server.scheduler.Scheduler``."""
-
-    running: int
-    waiting: int
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job: ...
-
-
-def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
+def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
                metrics_public: bool = False, body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
@@ -71,8 +62,8 @@ def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
     """
     served = served_model_name or llm.model_name
     names = {served, llm.model_name}
-    method = getattr(scheduler, "method", None) or llm.spec.method
-    k = getattr(scheduler, "k", None) or llm.spec.num_speculative_tokens
+    method = scheduler.method or llm.spec.method
+    k = scheduler.k or llm.spec.num_speculative_tokens
     metrics = ServerMetrics(scheduler, served, method, k)
     created = int(time.time())
 
@@ -143,7 +134,7 @@ def create_app(llm: LLM, scheduler: JobScheduler, api_key: str | None = None, *,
 
     @app.get("/health")
     async def health() -> Response:
-        if not getattr(scheduler, "alive", True):  # closed, or its worker thread died
+        if not scheduler.alive:  # closed, or its worker thread died
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 

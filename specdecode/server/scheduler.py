@@ -75,7 +75,26 @@ class Job:
                 self.cancel()
 
 
-class Scheduler:
+class JobQueue:
+    """What the app needs from a scheduler, with defaults: ``method`` and ``k`` None mean the
+    LLM's own; a queue is ``alive`` unless it says otherwise."""
+
+    method: str | None = None
+    k: int | None = None
+    running: int = 0  # requests generating now
+    waiting: int = 0  # requests queued behind them
+
+    @property
+    def alive(self) -> bool:
+        """False once the queue can run nothing more; feeds ``/health``."""
+        return True
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Any:
+        """Queue a request: a job to iterate for its ``StreamEvent``s, and to ``cancel()``."""
+        raise NotImplementedError
+
+
+class Scheduler(JobQueue):
     """A bounded queue in front of the engine.
 
     ``max_concurrency``: requests generating at once; ``max_queue``: requests allowed to wait
@@ -182,7 +201,7 @@ class Scheduler:
             capacity = min(engine.max_seq_len, len(job.prompt_ids) + job.params.max_tokens)
             cache = engine.target.new_cache(capacity)
             gen = engine.begin(job.prompt_ids, job.params, llm.new_drafter(self.method, capacity), self.k,
-                               llm.adaptive, cache)
+                               llm.spec.adaptive, cache)
             return _Prefill(job, gen, gen.prefill_chunks())
         except Exception as exc:  # noqa: BLE001 - delivered to the request's handler, which maps it to HTTP
             job._emit(exc)

@@ -1,0 +1,127 @@
+"""Every speculative method by name: how to build its drafter, whether it needs a draft model, and
+its one line of help.
+
+Adding a method is one drafter module and one row in ``REGISTRY``; the API, the CLI's choices and
+help, the bench and the server all read this table. Builders import their drafter when called, so
+this module stays importable from ``config`` (which validates method names against it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specdecode.errors import InvalidConfigError, VocabularyMismatchError
+
+if TYPE_CHECKING:
+    from specdecode.config import SpecConfig
+    from specdecode.drafters.base import Drafter
+    from specdecode.index.datastore import Datastore
+    from specdecode.index.history import SuffixHistory
+    from specdecode.models.decoder import Decoder
+    from specdecode.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class DraftResources:
+    """What drafters are built from, gathered once by ``LLM``."""
+
+    spec: SpecConfig
+    target: Decoder
+    tokenizer: Tokenizer
+    draft_model: Decoder | None  # None: no draft model loaded
+    draft_tokenizer: Tokenizer | None  # set when the draft model speaks another vocabulary
+    draft_name: str | None
+    datastore: Datastore | None  # ``specdecode index build`` output, for ``suffix``
+    suffix_history: SuffixHistory  # earlier requests' tokens, shared by every suffix drafter
+    self_skip: Callable[[], list[int]]  # the layers ``self`` skips, read on first use
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    help: str
+    build: Callable[[DraftResources, int], Drafter | None]  # (resources, capacity in tokens); see build_drafter
+    needs_draft_model: bool = False
+
+
+def _ngram(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.ngram import NgramDrafter
+
+    return NgramDrafter(r.spec.ngram_min, r.spec.ngram_max)
+
+
+def _lookahead(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(r.spec.lookahead_window, r.spec.lookahead_ngram, r.spec.lookahead_candidates)
+
+
+def _suffix(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(r.datastore, r.suffix_history)
+
+
+def _self(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.self_spec import SelfSpecDrafter
+
+    return SelfSpecDrafter(r.target, r.self_skip(), capacity, r.spec.draft_confidence)
+
+
+def _draft_model(r: DraftResources, capacity: int) -> Drafter:
+    """The draft model drafting token by token, through text when its vocabulary differs."""
+    from specdecode.drafters.cross_vocab import CrossVocabDrafter
+    from specdecode.drafters.draft_model import DraftModelDrafter
+
+    if r.draft_tokenizer is not None:
+        return CrossVocabDrafter(r.draft_model, r.draft_tokenizer, r.tokenizer, capacity, r.spec.draft_confidence)
+    return DraftModelDrafter(r.draft_model, r.target.config.vocab_size, capacity, r.spec.draft_confidence)
+
+
+def _tree(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.tree import TreeDrafter
+
+    if r.draft_tokenizer is not None:
+        raise VocabularyMismatchError(f"method 'tree' branches on the draft's own token choices and needs a draft "
+                                      f"of the target's vocabulary; {r.draft_name!r} has another one (use "
+                                      "draft_model or combined with it)")
+    return TreeDrafter(_draft_model(r, capacity))
+
+
+def _combined(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.combined import CombinedDrafter
+
+    return CombinedDrafter(_draft_model(r, capacity), ngram_max=max(3, r.spec.ngram_max))
+
+
+REGISTRY: dict[str, Method] = {m.name: m for m in (
+    Method("none", "plain decoding", lambda r, capacity: None),
+    Method("ngram", "prompt lookup", _ngram),
+    Method("draft_model", "a small model drafts (one of another vocabulary drafts through text)", _draft_model,
+           needs_draft_model=True),
+    Method("combined", "n-gram when the context matches, else the draft model", _combined, needs_draft_model=True),
+    Method("tree", "the draft model's chain plus its second choices and n-gram copies, verified as one token tree",
+           _tree, needs_draft_model=True),
+    Method("lookahead", "Jacobi n-grams guessed and checked in the same forward", _lookahead),
+    Method("suffix", "the longest seen suffix's most frequent continuation (prompt, earlier requests, "
+                     "--datastore)", _suffix),
+    Method("self", "the target drafts with some of its layers skipped (see `specdecode calibrate`)", _self),
+)}
+METHOD_NAMES = tuple(REGISTRY)
+DRAFT_MODEL_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft_model)
+
+
+def build_drafter(name: str, resources: DraftResources, capacity: int) -> Drafter | None:
+    """A fresh drafter of method ``name`` (None for plain decoding), for a sequence of at most
+    ``capacity`` tokens."""
+    method = REGISTRY[name]
+    if method.needs_draft_model and resources.draft_model is None:
+        raise InvalidConfigError(f"method {name!r} needs a draft model: pass draft=")
+    return method.build(resources, capacity)
+
+
+def method_help() -> str:
+    """Every method with its help, for ``--method`` and ``--methods``."""
+    return "; ".join(f"{m.name} = {m.help}" for m in REGISTRY.values())
