@@ -11,9 +11,14 @@ accepted path into place, so the cache again holds one sequence.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdecode.errors import PromptTooLongError
+
+if TYPE_CHECKING:
+    from specdecode.verify import VerifyResult
 
 
 class KVCache:
@@ -55,6 +60,14 @@ class KVCache:
         self.k[:, :, start : start + len(rows)] = self.node_k.index_select(2, index)
         self.v[:, :, start : start + len(rows)] = self.node_v.index_select(2, index)
         self.length = start + len(rows)
+
+    def commit(self, result: VerifyResult, step_rows: int) -> None:
+        """Keep what a verify step of ``step_rows`` rows accepted: a tree's kept path, copied into
+        place, or a chain's first ``num_accepted + 1`` rows, the rejected rows trimmed."""
+        if result.rows is not None:
+            self.keep_rows(result.rows)
+        else:
+            self.trim(step_rows - 1 - result.num_accepted)
 
     def reserve(self, n: int) -> int:
         """Claim ``n`` slots after the valid ones; return the first slot. Raises if they do not fit."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdecode.acceptance import verify
 from specdecode.cache import KVCache
 from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.draft_length import DraftLength
@@ -25,8 +26,6 @@ from specdecode.sampling import greedy, logits_to_probs, sample
 from specdecode.stats import RequestStats
 from specdecode.stops import StopChecker
 from specdecode.tokenizer import Tokenizer
-from specdecode.verify import verify_greedy, verify_rejection
-from specdecode.verify_tree import TreeVerifyResult, verify_tree_greedy, verify_tree_rejection
 
 
 @dataclass(slots=True)
@@ -133,16 +132,8 @@ class Generation:
         the rejected drafts from the cache, tell the drafter. ``forward_s``: the forward's time."""
         _check_finite(logits)
         seq, proposal, stats = self.seq, self.proposal, self.stats
-        if proposal.is_tree:
-            result = self._verify_tree(logits)
-            self.cache.keep_rows(result.rows)
-        else:
-            if seq.params.greedy:
-                result = verify_greedy(proposal.tokens, logits)
-            else:
-                probs = logits_to_probs(logits, seq.params)
-                result = verify_rejection(proposal.tokens, proposal.probs, probs, seq.generator)
-            self.cache.trim(proposal.k - result.num_accepted)
+        result = verify(proposal, logits, seq.params, seq.generator)
+        self.cache.commit(result, proposal.k + 1)
         stats.verify_s += forward_s
         stats.target_steps += 1
         if proposal.k:
@@ -155,13 +146,6 @@ class Generation:
             self.drafter.accept(seq, result.num_accepted)
             stats.draft_s += time.perf_counter() - t0
         return StreamEvent(self.stops.take_text(), new)
-
-    def _verify_tree(self, logits: Tensor) -> TreeVerifyResult:
-        seq, proposal = self.seq, self.proposal
-        if seq.params.greedy:
-            return verify_tree_greedy(proposal.tokens, proposal.parents, logits)
-        probs = logits_to_probs(logits, seq.params)
-        return verify_tree_rejection(proposal.tokens, proposal.parents, probs, seq.generator)
 
     def finish(self) -> StreamEvent:
         """The last event, carrying the whole output and its stats."""

@@ -42,10 +42,12 @@ RESIDUAL_MIN_MASS = 1e-6
 
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
-    """Outcome of one verify step."""
+    """Outcome of one verify step, chain or tree."""
 
     num_accepted: int  # accepted draft tokens, 0..K
     tokens: list[int]  # the accepted draft tokens, then one recovered or bonus token
+    rows: list[int] | None = None  # a tree's kept path as verify rows, root (0) first; None: a chain,
+    # whose kept rows are its first num_accepted + 1
 
 
 def verify_greedy(

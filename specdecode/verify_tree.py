@@ -24,20 +24,12 @@ recovered or bonus token. Greedy draws nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from specdecode.sampling import sample
-from specdecode.verify import RESIDUAL_MIN_MASS
-
-
-@dataclass(frozen=True, slots=True)
-class TreeVerifyResult:
-    num_accepted: int  # accepted draft tokens along the kept path
-    tokens: list[int]  # the accepted draft tokens, then one recovered or bonus token
-    rows: list[int]  # verify rows of the kept path: the root (0) then each accepted node's row
+from specdecode.verify import RESIDUAL_MIN_MASS, VerifyResult
 
 
 def children_by_row(parents: Sequence[int]) -> list[list[int]]:
@@ -52,7 +44,7 @@ def verify_tree_greedy(
     draft_tokens: Tensor,  # [K] int64
     parents: Sequence[int],  # [K] parent draft index, -1 = the root
     target_logits: Tensor,  # [K + 1, V] (logits or probs: only the argmax is used)
-) -> TreeVerifyResult:
+) -> VerifyResult:
     _check(draft_tokens, parents, target_logits)
     target_ids = target_logits.argmax(-1).tolist()  # [K + 1]
     tokens = draft_tokens.tolist()
@@ -62,7 +54,7 @@ def verify_tree_greedy(
         want = target_ids[row]
         match = next((c for c in children[row] if tokens[c] == want), None)
         if match is None:
-            return TreeVerifyResult(len(kept), kept + [want], rows)
+            return VerifyResult(len(kept), kept + [want], rows)
         kept.append(want)
         row = match + 1
         rows.append(row)
@@ -73,7 +65,7 @@ def verify_tree_rejection(
     parents: Sequence[int],  # [K] parent draft index, -1 = the root
     target_probs: Tensor,  # [K + 1, V] the target's distributions, from sampling.logits_to_probs
     generator: torch.Generator,
-) -> TreeVerifyResult:
+) -> VerifyResult:
     _check(draft_tokens, parents, target_probs)
     tokens = draft_tokens.tolist()
     children = children_by_row(parents)
@@ -97,7 +89,7 @@ def verify_tree_rejection(
         if accepted is None:
             dist = residual if float(residual.sum()) > RESIDUAL_MIN_MASS else p
             extra = int(sample(dist.unsqueeze(0), generator)[0])
-            return TreeVerifyResult(len(kept), kept + [extra], rows)
+            return VerifyResult(len(kept), kept + [extra], rows)
         kept.append(tokens[accepted])
         row = accepted + 1
         rows.append(row)

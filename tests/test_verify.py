@@ -366,3 +366,26 @@ def test_verify_result_is_frozen() -> None:
     res = VerifyResult(0, [1])
     with pytest.raises(AttributeError):
         res.num_accepted = 1  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- the one entry point
+
+
+def test_verify_dispatches_chain_and_tree_greedy_and_sampled():
+    from specdecode.acceptance import verify
+    from specdecode.config import SamplingParams
+    from specdecode.drafters.base import DraftProposal
+    from specdecode.sampling import logits_to_probs
+    from specdecode.verify_tree import verify_tree_greedy
+
+    logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0], [0.0, 1.0, 6.0]])
+    chain = DraftProposal(torch.tensor([1, 0]), None)
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+    assert verify(chain, logits, greedy, torch.Generator()) == verify_greedy(chain.tokens, logits)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    want = verify_rejection(chain.tokens, None, logits_to_probs(logits, sampled), g2)
+    got = verify(chain, logits, sampled, g1)
+    assert got == want and got.rows is None
+    tree = DraftProposal(torch.tensor([2, 1]), None, parents=(-1, -1))  # two first-token candidates
+    result = verify(tree, logits, greedy, torch.Generator())
+    assert result == verify_tree_greedy(tree.tokens, tree.parents, logits) and result.rows == [0, 2]
