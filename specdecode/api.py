@@ -18,7 +18,7 @@ from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, DEFAULT_D
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.registry import REGISTRY, DraftResources, build_drafter
 from specdecode.drafters.vocab import same_vocabulary
-from specdecode.engine import Engine, GenerationOutput
+from specdecode.engine import Engine, GenerationOutput, StreamEvent
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError
@@ -146,15 +146,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         params: SamplingParams | None = None,
         method: str | None = None,
         num_speculative_tokens: int | None = None,
+        *,
+        adaptive: bool | None = None,
     ) -> list[GenerationOutput]:
-        """Complete each raw prompt (no chat template)."""
-        if isinstance(prompts, str):
+        """Complete each prompt: raw text (no chat template) or token ids, one or a list.
+        ``method``, ``num_speculative_tokens`` and ``adaptive`` override the LLM's settings for
+        this call (validated like them)."""
+        if isinstance(prompts, str) or _is_ids(prompts):
             prompts = [prompts]
-        return [self._run(self.tokenizer.encode(p), params, method, num_speculative_tokens) for p in prompts]
+        return [_output(self.events(p, params, method, num_speculative_tokens, adaptive=adaptive)) for p in prompts]
 
     def chat(
         self,
@@ -162,33 +166,61 @@ class LLM:
         params: SamplingParams | None = None,
         method: str | None = None,
         num_speculative_tokens: int | None = None,
+        *,
+        adaptive: bool | None = None,
     ) -> GenerationOutput:
         """Answer one conversation, formatted with the model's chat template."""
-        return self._run(self.chat_prompt_ids(messages), params, method, num_speculative_tokens)
+        return _output(self.events(self.chat_prompt_ids(messages), params, method, num_speculative_tokens,
+                                   adaptive=adaptive))
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         method: str | None = None,
         num_speculative_tokens: int | None = None,
+        *,
+        adaptive: bool | None = None,
     ) -> Iterator[str]:
         """Yield text as it is accepted; the pieces join to ``generate``'s text."""
-        ids = self.tokenizer.encode(prompt)
-        k = num_speculative_tokens or self.spec.num_speculative_tokens
-        for event in self.engine.stream(ids, params or SamplingParams(), self.drafter(method), k, self.spec.adaptive):
+        for event in self.events(prompt, params, method, num_speculative_tokens, adaptive=adaptive):
             if event.text:
                 yield event.text
+
+    def events(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        method: str | None = None,
+        num_speculative_tokens: int | None = None,
+        *,
+        adaptive: bool | None = None,
+    ) -> Iterator[StreamEvent]:
+        """The generation of one prompt (raw text or token ids) as it happens: each event carries
+        the text and token ids accepted since the last, and the last event the whole
+        ``GenerationOutput`` with its statistics."""
+        overrides = {"method": method, "num_speculative_tokens": num_speculative_tokens, "adaptive": adaptive}
+        spec = dataclasses.replace(self.spec, **{k: v for k, v in overrides.items() if v is not None})
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return self.engine.stream(ids, params or SamplingParams(), self.drafter(spec.method),
+                                  spec.num_speculative_tokens, spec.adaptive)
 
     def chat_prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not messages:
             raise InvalidConfigError("messages is empty: give at least one message")
         return self.tokenizer.encode_chat(list(messages))
 
-    def _run(self, ids: list[int], params: SamplingParams | None, method: str | None,
-             k: int | None) -> GenerationOutput:
-        k = k or self.spec.num_speculative_tokens
-        return self.engine.generate(ids, params or SamplingParams(), self.drafter(method), k, self.spec.adaptive)
+
+def _is_ids(prompt: object) -> bool:
+    """A prompt given as token ids (a non-empty sequence of ints), not a list of prompts."""
+    return isinstance(prompt, Sequence) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+
+
+def _output(events: Iterator[StreamEvent]) -> GenerationOutput:
+    for event in events:
+        if event.output is not None:
+            return event.output
+    raise RuntimeError("the generation ended without its output")  # the engine always ends with one
 
 
 def target_quantize(mode: str | None, dtype: str, path: Path) -> str | None:

@@ -56,16 +56,16 @@ def run(args: argparse.Namespace) -> int:
               **method_options(args, [args.method]))
     ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
     if not args.json and not args.compare:
-        for event in llm.engine.stream(ids, params, llm.drafter(), args.k, llm.spec.adaptive):
+        for event in llm.events(ids, params):
             print(event.text, end="", flush=True)
             out = event.output
         print()
         _print_stats(out)
         return 0
     if args.compare:  # the first forward pages the weights in; keep that out of both timings
-        llm.engine.generate(ids, SamplingParams(max_tokens=2), llm.drafter(), args.k)
-    out = llm.engine.generate(ids, params, llm.drafter(), args.k, llm.spec.adaptive)
-    base = llm.engine.generate(ids, params, None, args.k) if args.compare else None
+        llm.generate(ids, SamplingParams(max_tokens=2))
+    [out] = llm.generate(ids, params)
+    base = llm.generate(ids, params, method="none")[0] if args.compare else None
     if args.json:
         print(json.dumps(_report(out, base)))
     else:

@@ -36,15 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     # Warm-up: a process's first forwards page the weights in from disk; untimed, every method.
     warm = llm.chat_prompt_ids([{"role": "user", "content": "Hi"}])
     for method in METHODS:
-        llm.engine.generate(warm, SamplingParams(max_tokens=8), llm.drafter(method), args.k)
+        llm.generate(warm, SamplingParams(max_tokens=8), method=method)
     header = f"{'prompt':10} {'method':12} {'tok/s':>7} {'speedup':>8} {'tau':>5} {'accept':>7}  identical"
     print(header)
     print("-" * len(header))
     for category, prompt in PROMPTS:
         ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}])
-        base = llm.engine.generate(ids, params, None, args.k)
+        [base] = llm.generate(ids, params, method="none")
         for method in METHODS:
-            out = base if method == "none" else llm.engine.generate(ids, params, llm.drafter(method), args.k)
+            out = base if method == "none" else llm.generate(ids, params, method=method)[0]
             s = out.stats
             same = out.token_ids == base.token_ids
             print(f"{category:10} {method:12} {s.tokens_per_s:7.2f} "

@@ -98,15 +98,11 @@ def our_contestants(llm: LLM, runs: Sequence[RunSpec]) -> list[Contestant]:
     """Contestants over one loaded ``LLM``: all share the target weights and the engine's cache."""
     contestants = []
     for run in runs:
-        drafter = llm.drafter(run.method)
-        k = run.k or 1
-
-        def generate(ids: list[int], params: SamplingParams, drafter=drafter, k=k,
-                     adaptive=run.adaptive) -> GenerationOutput:
+        def generate(ids: list[int], params: SamplingParams, run=run) -> GenerationOutput:
             # Each request is measured on its own: a history holding the warm-up or an earlier
             # repeat of this very prompt would flatter drafters that learn across requests.
             llm.suffix_history.clear()
-            return llm.engine.generate(ids, params, drafter, k, adaptive)
+            return llm.generate(ids, params, run.method, run.k, adaptive=run.adaptive)[0]
 
         contestants.append(Contestant(run.name, run.method, run.k, "ours", generate))
     return contestants
