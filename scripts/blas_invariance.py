@@ -1,5 +1,5 @@
 """Which BLAS call shapes give a row the same bits whatever rows share the call: the
-measurement behind ``kernels.linear_portable`` (PERFORMANCE.md lever 24). For each weight shape
+measurement behind ``kernels.linear_invariant_portable`` (PERFORMANCE.md lever 24). For each weight shape
 it compares every row of ``w @ x.T`` in calls of 1-33 rows, starting at a few offsets, with the
 row computed alone, both for one call per row count and for calls of exactly 8 rows; then the
 same for attention's batched GEMM of query rows against keys.

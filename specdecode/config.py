@@ -12,18 +12,17 @@ from dataclasses import dataclass
 from specdecode.drafters.registry import METHOD_NAMES
 from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 
-# Up to 12 drafts per step: with the int4 draft (12 ms a drafted token on the AVX2 machine) K=12
-# beat K=8 in each of four runs, by 2-6% for draft_model, combined, tree and ngram (lever 25 in
-# docs/PERFORMANCE.md); with the dearer int8 draft, 8 had beaten 5 and tied 12.
+# Up to 12 drafts per step: with the int4 draft, K=12 beat K=8 by 2-6% for draft_model, combined,
+# tree and ngram in each of four bench runs on the AVX2 machine (docs/PERFORMANCE.md, the levers
+# table).
 DEFAULT_SPECULATIVE_TOKENS = 12
 MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
 # Stop drafting once the draft's probability for its draft so far drops below this. 0.5 was the
 # best of 0-0.7 (per-token and cumulative rules) on five workloads; docs/PERFORMANCE.md.
 DEFAULT_DRAFT_CONFIDENCE = 0.5
-# int4 drafts (one native call per draft forward) beat int8 in every category of one bench pair:
-# draft_model 2.44x against 2.10x plain decoding over all workloads (docs/PERFORMANCE.md, lever
-# 22). The kernel needs AVX2 (it uses AVX-512 VNNI where present); without AVX2 int4 falls back
-# to int8; "none" keeps the model dtype.
+# int4 drafts (one native call per draft forward) beat int8 in every category of a bench pair
+# (docs/PERFORMANCE.md, the levers table). The kernel needs AVX2 (it uses AVX-512 VNNI where
+# present); without AVX2 int4 falls back to int8; "none" keeps the model dtype.
 DRAFT_QUANTIZE_CHOICES = ("int8", "int4", "none")
 DEFAULT_DRAFT_QUANTIZE = "int4"
 # Lookahead: at most 4 * 2 window rows + 3 * 2 candidate rows, a verify about 1.3x a plain step
@@ -95,7 +94,12 @@ class SpecConfig:
     ngram_min: int = 1
     """Shortest context suffix the n-gram drafter tries to match."""
     ngram_max: int = 4
-    """Longest suffix it tries first."""
+    """Longest suffix it tries first (the combined and tree drafters' matches too)."""
+    combined_min_match: int = 3
+    """Shortest context match for which ``combined`` copies instead of asking the draft model:
+    shorter matches guess worse than the draft model does."""
+    tree_ngram_min: int = 2
+    """Shortest context match whose continuation ``tree`` adds as a branch."""
     lookahead_window: int = LOOKAHEAD_WINDOW
     """Columns of the lookahead window (``method="lookahead"``)."""
     lookahead_ngram: int = LOOKAHEAD_NGRAM
@@ -116,6 +120,9 @@ class SpecConfig:
             raise InvalidConfigError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
             )
+        if self.combined_min_match < 1 or self.tree_ngram_min < 1:
+            raise InvalidConfigError(f"combined_min_match and tree_ngram_min must be >= 1, got "
+                                     f"{self.combined_min_match} and {self.tree_ngram_min}")
         if self.lookahead_window < 1 or self.lookahead_ngram < 2 or self.lookahead_candidates < 0:
             raise InvalidConfigError(
                 "lookahead needs window >= 1, ngram >= 2 and candidates >= 0; got "

@@ -9,7 +9,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.draft_length import DraftLength
 from specdecode.errors import InvalidConfigError
 from specdecode.models.decoder import Decoder
-from specdecode.models.quant import linear_int8, pack_int8
+from specdecode.models.quant import linear_int8_fbgemm, pack_int8
 
 PROMPTS = ["def f(x): return x + 1\ndef g(", "class A:\n    def __init__(self", "abc abc abc abd"]
 
@@ -68,7 +68,7 @@ def test_confidence_threshold_shortens_drafts(tiny_llms):
 def test_int8_linear_is_close_to_float():
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(64, 32, generator=gen), torch.randn(3, 32, generator=gen)
-    got, exact = linear_int8(x, pack_int8(w)), x @ w.T
+    got, exact = linear_int8_fbgemm(x, pack_int8(w)), x @ w.T
     assert (got - exact).abs().max() < 0.05 * exact.abs().max()
 
 

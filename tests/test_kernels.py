@@ -11,7 +11,7 @@ import torch
 
 from specdecode.models import kernels, native
 
-PATHS = {"portable": kernels.linear_portable, "native": kernels.linear_native}
+PATHS = {"portable": kernels.linear_invariant_portable, "native": kernels.linear_invariant}
 
 
 def test_native_kernel_builds_on_this_machine():
@@ -44,12 +44,12 @@ def test_portable_rows_past_the_prefill_line_stay_invariant_when_asked(monkeypat
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(52, 300, generator=gen)
     x = torch.randn(kernels.PREFILL_ROWS + 20, 300, generator=gen)
-    alone = torch.cat([kernels.linear_portable(row[None], w) for row in x])
-    assert torch.equal(kernels.linear_portable(x, w, invariant=True), alone)
+    alone = torch.cat([kernels.linear_invariant_portable(row[None], w) for row in x])
+    assert torch.equal(kernels.linear_invariant_portable(x, w, invariant=True), alone)
     q = quantize_rows(w)
     monkeypatch.setattr(native, "load", lambda: None)
-    alone = torch.cat([kernels.linear_int8(row[None], q) for row in x])
-    assert torch.equal(kernels.linear_int8(x, q, invariant=True), alone)
+    alone = torch.cat([kernels.linear_int8_invariant(row[None], q) for row in x])
+    assert torch.equal(kernels.linear_int8_invariant(x, q, invariant=True), alone)
 
 
 def test_native_rows_beyond_one_pass_are_exact():
@@ -91,9 +91,9 @@ def test_native_build_matches_this_cpu():
 
 def test_native_rejects_bad_input():
     with pytest.raises(RuntimeError):
-        kernels.linear_native(torch.ones(2, 3), torch.ones(4, 5))
+        kernels.linear_invariant(torch.ones(2, 3), torch.ones(4, 5))
     with pytest.raises(RuntimeError):
-        kernels.linear_native(torch.ones(2, 3, dtype=torch.float64), torch.ones(4, 3, dtype=torch.float64))
+        kernels.linear_invariant(torch.ones(2, 3, dtype=torch.float64), torch.ones(4, 3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 6])
@@ -128,10 +128,10 @@ def test_int8_rows_bitwise_invariant_and_exact(shape):
     gen = torch.Generator().manual_seed(5)
     w = quantize_rows(torch.randn(shape, generator=gen))
     x = torch.randn(12, shape[1], generator=gen)
-    full = kernels.linear_int8(x, w, invariant=True)
+    full = kernels.linear_int8_invariant(x, w, invariant=True)
     for n in range(1, 12):
         for start in (0, 12 - n):
-            part = kernels.linear_int8(x[start : start + n], w, invariant=True)
+            part = kernels.linear_int8_invariant(x[start : start + n], w, invariant=True)
             assert torch.equal(part, full[start : start + n]), (n, start)
     reference = (x.double() @ w.q.double().T) * w.scale.double()
     torch.testing.assert_close(full.double(), reference, atol=1e-4, rtol=1e-5)
@@ -222,7 +222,7 @@ def test_int4_draft_kernel_matches_its_dequantized_weights(shape):
         got, want = quant.linear_draft(x, packed), x @ deq.T
         assert (got - want).norm() <= 0.02 * want.norm(), n
     x = torch.randn(quant.INT4_MAX_ROWS + 1, shape[1], generator=gen)
-    assert torch.equal(quant.linear_draft(x, packed), quant.linear_int8(x, packed.int8))
+    assert torch.equal(quant.linear_draft(x, packed), quant.linear_int8_fbgemm(x, packed.int8))
 
 
 def test_int4_pack_falls_back_to_int8_off_the_group_size():

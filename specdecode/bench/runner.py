@@ -1,6 +1,6 @@
 """Run every contestant on every prompt, fairly, and check that speculation changed nothing.
 
-Fairness rules (from the issue): one process; contestants interleaved per prompt (for each
+Fairness rules: one process; contestants interleaved per prompt (for each
 prompt, for each repeat: A B C), so slow drift of the machine (thermal state, another process, the
 page cache) hits every method alike; one warm-up generation per contestant before any timing;
 prefill and decode times kept apart. Under greedy decoding every output is compared token by token

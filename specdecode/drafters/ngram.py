@@ -5,17 +5,23 @@ tokens occurred before, the tokens that followed them are a free guess. The inde
 n-gram (``ngram_min <= n <= ngram_max``) to the position right after its earliest occurrence and is
 updated incrementally, so a step costs O(ngram_max) dictionary look-ups, not a scan. It also
 keeps a few later occurrences, so a tree drafter can branch on distinct continuations.
+
+Why not the suffix drafter's matcher (``index.ngram_table``): that one counts every continuation
+to pick the most frequent, across the request, earlier requests and a datastore; here the
+earliest occurrence wins, whose continuation is the longest run to copy in an edit, and the index
+is a plain dict grown token by token, the cheapest matcher for one request's own tokens. The
+combined and tree drafters reuse this one.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-MAX_OCCURRENCES = 4  # positions kept per n-gram: the earliest and the next few
-
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
+
+MAX_OCCURRENCES = 4  # positions kept per n-gram: the earliest and the next few
 
 
 class NgramDrafter(Drafter):

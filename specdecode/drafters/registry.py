@@ -87,13 +87,14 @@ def _tree(r: DraftResources, capacity: int) -> Drafter:
         raise VocabularyMismatchError(f"method 'tree' branches on the draft's own token choices and needs a draft "
                                       f"of the target's vocabulary; {r.draft_name!r} has another one (use "
                                       "draft_model or combined with it)")
-    return TreeDrafter(_draft_model(r, capacity))
+    return TreeDrafter(_draft_model(r, capacity), ngram_min=r.spec.tree_ngram_min,
+                       ngram_max=max(r.spec.tree_ngram_min, r.spec.ngram_max))
 
 
 def _combined(r: DraftResources, capacity: int) -> Drafter:
     from specdecode.drafters.combined import CombinedDrafter
 
-    return CombinedDrafter(_draft_model(r, capacity), ngram_max=max(3, r.spec.ngram_max))
+    return CombinedDrafter(_draft_model(r, capacity), min_match=r.spec.combined_min_match, ngram_max=r.spec.ngram_max)
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (

@@ -57,13 +57,14 @@ class TreeDrafter(Drafter):
     name: ClassVar[str] = "tree"
 
     def __init__(self, draft: DraftModelDrafter, branch_positions: int = 2, ngram_branches: int = 2,
-                 max_nodes: int = 16, sibling_below: float = 0.8) -> None:
+                 max_nodes: int = 16, sibling_below: float = 0.8, ngram_min: int = 2, ngram_max: int = 4) -> None:
         """``branch_positions``: chain positions that may also get the draft's second choice (as
         a leaf), where the draft's own top choice has probability below ``sibling_below``;
-        ``ngram_branches``: copied continuations added; ``max_nodes``: tree size cap."""
+        ``ngram_branches``: copied continuations added, from context matches of ``ngram_min`` to
+        ``ngram_max`` tokens; ``max_nodes``: tree size cap."""
         self.sibling_below = sibling_below
         self.draft = draft
-        self.ngram = NgramDrafter(ngram_min=2, ngram_max=4)
+        self.ngram = NgramDrafter(ngram_min=ngram_min, ngram_max=ngram_max)
         self.branch_positions = branch_positions
         self.ngram_branches = ngram_branches
         self.max_nodes = max_nodes

@@ -120,7 +120,7 @@ class Decoder:
         native.load_attention()
         packed = gguf_load.decoder_weights(gguf_load.native_weights(sources, progress), config)
         model = cls(config, packed, torch.float32, batch_invariant)
-        model._linear = kernels.linear_gguf
+        model._linear = kernels.LinearKernel(kernels.linear_gguf, invariant=True)
         model._attend = _attend_rows
         model._steps = _GGUFSteps(config.rms_norm_eps)
         return model
@@ -137,7 +137,7 @@ class Decoder:
             for w in self.layers:
                 w.qkv, w.o = quant.quantize_rows(w.qkv), quant.quantize_rows(w.o)
                 w.gate_up, w.down = quant.quantize_rows(w.gate_up), quant.quantize_rows(w.down)
-            self._linear = kernels.linear_int8
+            self._linear = kernels.LinearKernel(kernels.linear_int8_invariant, invariant=True)
             return
         packer = quant.pack_int4 if mode == "int4" else quant.pack_int8
 
@@ -150,7 +150,7 @@ class Decoder:
         for w in self.layers:
             w.qkv, w.o = pack(w.qkv), pack(w.o)
             w.gate_up, w.down = pack(w.gate_up), pack(w.down)
-        self._linear = quant.linear_draft
+        self._linear = kernels.LinearKernel(quant.linear_draft, invariant=False)
         self._fused = quant.fused_int4_draft(self)
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -206,7 +206,8 @@ class Decoder:
             positions = torch.cat([v.positions() for v in views])
             cos, sin = self.cos[positions], self.sin[positions]
         # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path.
-        linear = self._linear if len(segments) == 1 else self._rows_linear
+        # The decode rows of many sequences stay on the invariant kernel however many they are.
+        linear = self._linear if len(segments) == 1 else self._linear.rows
         x = self._embed(tokens)  # [N, D]
         for i, layer in enumerate(self.layers):
             x = self._layer(x, layer, i, views, cos, sin, linear)
@@ -241,15 +242,6 @@ class Decoder:
             branches.append((torch.tensor(path), *_chain_keys(start, len(path), group, self.dtype)))
         cache.tree_buffers(start, n)
         return _SegmentView(cache, start, n, 0, None, torch.tensor(depth), branches)
-
-    def _rows_linear(self, x: Tensor, w: Tensor) -> Tensor:
-        """``self._linear`` for the decode rows of many sequences, which must stay on the
-        invariant kernels however many rows they add up to: the native kernel takes any row
-        count in one pass over the weights, the portable path any count in 8-row calls. A
-        draft's fast path needs no invariance."""
-        if self._linear in (kernels.linear_native, kernels.linear_int8, kernels.linear_portable, kernels.linear_gguf):
-            return self._linear(x, w, invariant=True)
-        return self._linear(x, w)
 
     def _layer(self, x, w: LayerWeights, i: int, views: list[_SegmentView], cos, sin, linear) -> Tensor:
         cfg = self.config
@@ -403,14 +395,16 @@ def _chain_keys(start: int, n: int, group: int, dtype: torch.dtype) -> tuple[int
     return span, _causal_bias(start, n, span, group).to(dtype)  # [G*N, span]
 
 
-def _pick_linear(dtype: torch.dtype, batch_invariant: bool, use_native: bool | None):
+def _pick_linear(dtype: torch.dtype, batch_invariant: bool, use_native: bool | None) -> kernels.LinearKernel:
     """The native kernel when it can run; else the portable invariant path (or, for a draft
     model whose numerics never affect exactness, plain ``F.linear``)."""
     from specdecode.models import native
 
     if use_native is not False and dtype == torch.float32 and native.load() is not None:
-        return kernels.linear_native
-    return kernels.linear_portable if batch_invariant else kernels.linear_fast
+        return kernels.LinearKernel(kernels.linear_invariant, invariant=True)
+    if batch_invariant:
+        return kernels.LinearKernel(kernels.linear_invariant_portable, invariant=True)
+    return kernels.LinearKernel(kernels.linear_fast, invariant=False)
 
 
 def _causal_bias(start: int, n: int, span: int, group: int) -> Tensor:

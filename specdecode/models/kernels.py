@@ -20,7 +20,9 @@ real ones.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -41,7 +43,24 @@ MIN_GEMM_ROWS = 8  # fewer rows than this take BLAS small-matrix paths; we pad u
 PREFILL_ROWS = 40
 
 
-def linear_portable(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
+@dataclass(frozen=True)
+class LinearKernel:
+    """A model's linear kernel and its guarantee. An ``invariant`` kernel gives a row the same
+    bits in every call shape when called with ``invariant=True`` (the decode rows of many
+    sequences verified together need it); a fast one (drafts) promises nothing."""
+
+    fn: Callable[..., Tensor]
+    invariant: bool
+
+    def __call__(self, x: Tensor, w: Any, **kwargs: Any) -> Tensor:
+        return self.fn(x, w, **kwargs)
+
+    def rows(self, x: Tensor, w: Any) -> Tensor:
+        """``x @ w.T`` for rows that must keep their bits however many share the call."""
+        return self.fn(x, w, invariant=True) if self.invariant else self.fn(x, w)
+
+
+def linear_invariant_portable(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
     """``x @ w.T`` through BLAS calls of exactly ``MIN_GEMM_ROWS`` rows each (zero-padded), so
     every row meets the same GEMM kernel whatever the row count. One call per row count is not
     enough: on an AMD EPYC (AVX2) calls of 9 or more rows gave some rows other bits than alone
@@ -70,11 +89,12 @@ def _pad_rows(x: Tensor, dim: int) -> Tensor:
 
 
 def linear_fast(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` without invariance care: for drafts, whose numerics never affect exactness."""
+    """``x @ w.T`` without invariance care (plain ``F.linear``): for drafts, whose numerics never
+    affect exactness."""
     return torch.nn.functional.linear(x, w)
 
 
-def linear_native(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
+def linear_invariant(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
     """The native batch-invariant kernel (float32, AVX2; see ``native.py``); BLAS for prefills
     (more than ``PREFILL_ROWS`` rows) unless ``invariant`` insists."""
     from specdecode.models import native
@@ -84,10 +104,10 @@ def linear_native(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
     return native.load().linear_rows(x.contiguous(), w)
 
 
-def linear_int8(x: Tensor, w: "Int8Rows", invariant: bool = False) -> Tensor:
+def linear_int8_invariant(x: Tensor, w: "Int8Rows", invariant: bool = False) -> Tensor:
     """``x @ w.dequantize().T`` for an int8 target: the native kernel widens the weights on the
     fly (invariant for every row count); a prefill dequantizes the matrix and takes BLAS, like
-    ``linear_native``. Without the native kernel, the portable invariant path on the dequantized
+    ``linear_invariant``. Without the native kernel, the portable invariant path on the dequantized
     weights (exact, slow)."""
     from specdecode.models import native
 
@@ -95,7 +115,7 @@ def linear_int8(x: Tensor, w: "Int8Rows", invariant: bool = False) -> Tensor:
         return torch.nn.functional.linear(x, w.dequantize())
     kernel = native.load()
     if kernel is None:
-        return linear_portable(x, w.dequantize(), invariant)
+        return linear_invariant_portable(x, w.dequantize(), invariant)
     return kernel.linear_rows_int8(x.contiguous(), w.q, w.scale)
 
 

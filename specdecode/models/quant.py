@@ -53,8 +53,9 @@ def pack_int8(w: Tensor) -> Any:
         return torch.ops.quantized.linear_prepack(q, None)
 
 
-def linear_int8(x: Tensor, packed: Any) -> Tensor:
-    """``x @ w.T`` through the prepacked int8 weight; x: [N, in] float32."""
+def linear_int8_fbgemm(x: Tensor, packed: Any) -> Tensor:
+    """``x @ w.T`` through fbgemm's prepacked int8 weight (x: [N, in] float32): fast and not
+    batch-invariant, so for drafts only (a target's int8 is ``kernels.linear_int8_invariant``)."""
     return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, True)
 
 
@@ -124,7 +125,7 @@ def _many_rows(x: Tensor, w: Any) -> Tensor:
         from specdecode.models.kernels import linear_gguf
 
         return linear_gguf(x, w)
-    return linear_int8(x, w)
+    return linear_int8_fbgemm(x, w)
 
 
 def fused_int4_draft(model: Any) -> Any:
@@ -153,7 +154,7 @@ def fused_int4_draft(model: Any) -> Any:
 @dataclass(frozen=True, slots=True)
 class Int8Rows:
     """An int8 weight [out, in] with one float32 scale per output row, for the *target*:
-    ``kernels.linear_int8`` widens each weight to float and keeps the activations in float, so
+    ``kernels.linear_int8_invariant`` widens each weight to float and keeps the activations in float, so
     a row's result depends on that row alone (fbgemm's dynamic int8, above, shares one activation
     scale between the rows of a call, which would break identity with plain decoding)."""
 
