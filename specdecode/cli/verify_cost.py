@@ -11,7 +11,7 @@ import json
 import statistics
 import time
 
-from specdecode.cli_options import add_quantize_option
+from specdecode.cli.options import add_quantize_option
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MODEL, DTYPES
 
 

@@ -1,4 +1,5 @@
-"""``specdecode`` command line: one parser, each subcommand in its own module's ``main``.
+"""``specdecode`` command line: the table of commands and ``main``; each command's flags and
+run function live in a module of this package (``generate``, ``serve``, ``bench``, ...).
 
 User errors (``SpecDecodeError``) print one line on stderr and exit with code 2, never a traceback.
 """
@@ -14,13 +15,13 @@ from specdecode.errors import SpecDecodeError
 
 
 def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]]:
-    from specdecode.cli_bench import add_arguments as bench_args
-    from specdecode.cli_calibrate import add_arguments as calibrate_args
-    from specdecode.cli_generate import add_arguments as generate_args
-    from specdecode.cli_index import add_arguments as index_args
-    from specdecode.cli_models import add_arguments as models_args
-    from specdecode.cli_serve import add_arguments as serve_args
-    from specdecode.cli_verify_cost import add_arguments as verify_cost_args
+    from specdecode.cli.bench import add_arguments as bench_args
+    from specdecode.cli.calibrate import add_arguments as calibrate_args
+    from specdecode.cli.generate import add_arguments as generate_args
+    from specdecode.cli.index import add_arguments as index_args
+    from specdecode.cli.models import add_arguments as models_args
+    from specdecode.cli.serve import add_arguments as serve_args
+    from specdecode.cli.verify_cost import add_arguments as verify_cost_args
 
     return {
         "generate": ("Generate text with or without speculative decoding.", generate_args),
@@ -63,7 +64,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdecode: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

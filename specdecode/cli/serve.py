@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
+from specdecode.cli.options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_SPECULATIVE_TOKENS, DTYPES
 from specdecode.drafters.registry import METHOD_NAMES

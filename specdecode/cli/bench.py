@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli_options import add_draft_options, add_method_options, add_quantize_option, method_options
+from specdecode.cli.options import add_draft_options, add_method_options, add_quantize_option, method_options
 from specdecode.config import (DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS,
                                DTYPES, SamplingParams)
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.cli_options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
+from specdecode.cli.options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_SPECULATIVE_TOKENS, DTYPES, SamplingParams
 from specdecode.drafters.registry import METHOD_NAMES
