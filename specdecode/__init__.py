@@ -13,7 +13,7 @@ from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
     from specdecode.api import LLM
-    from specdecode.engine import GenerationOutput
+    from specdecode.engine.generation import GenerationOutput
 
 __all__ = ["LLM", "GenerationOutput", "SamplingParams", "SpecConfig", "SpecDecodeError"]
 __version__ = "0.1.0"
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "GenerationOutput":
-        from specdecode.engine import GenerationOutput
+        from specdecode.engine.generation import GenerationOutput
 
         return GenerationOutput
     raise AttributeError(name)

@@ -18,7 +18,7 @@ from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, DEFAULT_D
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.registry import REGISTRY, DraftResources, build_drafter
 from specdecode.drafters.vocab import same_vocabulary
-from specdecode.engine import Engine, GenerationOutput, StreamEvent
+from specdecode.engine.generation import Engine, GenerationOutput, StreamEvent
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError

@@ -40,7 +40,7 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Decoder
 from specdecode.models.layer_choice import SkipChoice, fingerprint
 from specdecode.models.layer_skip import skip_layers
-from specdecode.sampling import greedy
+from specdecode.sample.sampling import greedy
 from specdecode.tokenizer import Tokenizer
 
 DEFAULT_MAX_SKIP = 0.5

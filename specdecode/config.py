@@ -18,7 +18,8 @@ from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
 DEFAULT_SPECULATIVE_TOKENS = 12
 MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
 # Stop drafting once the draft's probability for its draft so far drops below this. 0.5 was the
-# best of 0-0.7 (per-token and cumulative rules) on five workloads; docs/PERFORMANCE.md.
+# best of 0-0.7 (per-token and cumulative rules) on five workloads (docs/PERFORMANCE.md, the
+# levers table; the comparison is in the commit it names).
 DEFAULT_DRAFT_CONFIDENCE = 0.5
 # int4 drafts (one native call per draft forward) beat int8 in every category of a bench pair
 # (docs/PERFORMANCE.md, the levers table). The kernel needs AVX2 (it uses AVX-512 VNNI where

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.cache import KVCache
+from specdecode.models.cache import KVCache
 from specdecode.drafters.cross_vocab import CrossVocabDrafter, _CommittedText, _WindowedEncoder
 from specdecode.drafters.vocab import continue_ids, same_vocabulary, stable_continuation
 from specdecode.models.decoder import Decoder

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.draft_length import DraftLength
+from specdecode.engine.draft_length import DraftLength
 from specdecode.errors import InvalidConfigError
 from specdecode.models.decoder import Decoder
 from specdecode.models.quant import linear_int8_fbgemm, pack_int8

@@ -1,4 +1,4 @@
-"""Tests of specdecode.sampling: temperature, top-k, top-p, sampling draws."""
+"""Tests of specdecode.sample.sampling: temperature, top-k, top-p, sampling draws."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode import sampling
+from specdecode.sample import sampling
 from specdecode.config import SamplingParams
-from specdecode.sampling import greedy, logits_to_probs, sample
+from specdecode.sample.sampling import greedy, logits_to_probs, sample
 
 NEG_INF = float("-inf")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.sampling import logits_to_probs
+from specdecode.sample.sampling import logits_to_probs
 
 TRIALS = 1500
 

@@ -158,7 +158,7 @@ def test_worker_survives_a_closed_event_loop_and_close_ends_every_job(llm):
 def test_a_long_prompt_runs_in_chunks_between_other_requests_decode_steps(llm, monkeypatch):
     """While a long prompt is prefilled chunk by chunk, a running request keeps decoding; both
     still get their solo output."""
-    from specdecode import engine
+    from specdecode.engine import generation as engine
 
     monkeypatch.setattr(engine, "PREFILL_CHUNK", 8)
     target = llm.engine.target
@@ -199,7 +199,7 @@ def test_a_long_prompt_runs_in_chunks_between_other_requests_decode_steps(llm, m
 
 
 def test_a_request_cancelled_during_its_prefill_stops_at_the_next_chunk(llm, monkeypatch):
-    from specdecode import engine
+    from specdecode.engine import generation as engine
 
     monkeypatch.setattr(engine, "PREFILL_CHUNK", 4)
     target = llm.engine.target

@@ -11,7 +11,7 @@ import torch
 from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.tree import TokenTrie
 from specdecode.models.decoder import Decoder
-from specdecode.verify_tree import children_by_row, verify_tree_greedy, verify_tree_rejection
+from specdecode.sample.tree import children_by_row, verify_tree_greedy, verify_tree_rejection
 from tests.test_sampling_lossless import chi2_critical
 
 # Rows: 0 root; nodes 0..5 are rows 1..6. Branches: 0-1 (rows 1,2), 2-3-4 (rows 3,4,5), 0-5 (rows 1,6).

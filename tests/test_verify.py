@@ -1,4 +1,4 @@
-"""Tests of specdecode.verify: greedy acceptance and exact (lossless) rejection sampling.
+"""Tests of specdecode.sample.chain: greedy acceptance and exact (lossless) rejection sampling.
 
 The key tests simulate the whole draft -> verify -> commit loop on a tiny vocabulary with an
 autoregressive target (a first-order Markov chain: row i of the target depends on the token
@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode import verify
-from specdecode.verify import VerifyResult, verify_greedy, verify_rejection
+from specdecode.sample import chain as verify
+from specdecode.sample.chain import VerifyResult, verify_greedy, verify_rejection
 
 V = 6  # vocabulary of the simulations
 K = 3  # draft length of the simulations
@@ -372,11 +372,11 @@ def test_verify_result_is_frozen() -> None:
 
 
 def test_verify_dispatches_chain_and_tree_greedy_and_sampled():
-    from specdecode.acceptance import verify
+    from specdecode.sample.verify import verify
     from specdecode.config import SamplingParams
     from specdecode.drafters.base import DraftProposal
-    from specdecode.sampling import logits_to_probs
-    from specdecode.verify_tree import verify_tree_greedy
+    from specdecode.sample.sampling import logits_to_probs
+    from specdecode.sample.tree import verify_tree_greedy
 
     logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0], [0.0, 1.0, 6.0]])
     chain = DraftProposal(torch.tensor([1, 0]), None)

@@ -23,9 +23,9 @@ from typing import Any
 
 from specdecode.bench.runner import Contestant
 from specdecode.config import SamplingParams
-from specdecode.engine import GenerationOutput
+from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import InvalidConfigError, SpecDecodeError
-from specdecode.stats import RequestStats
+from specdecode.engine.stats import RequestStats
 
 APIS = ("chat", "completions")
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from specdecode.bench.runner import Contestant
 from specdecode.config import SamplingParams
-from specdecode.engine import GenerationOutput
+from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import SpecDecodeError
-from specdecode.stats import RequestStats
+from specdecode.engine.stats import RequestStats
 from specdecode.tokenizer import Tokenizer
 
 PEER_NAMES = ("hf_target", "hf_assisted", "hf_prompt_lookup")

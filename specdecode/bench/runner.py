@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from specdecode.bench.workloads import Prompt
 from specdecode.config import SamplingParams
 from specdecode.drafters.registry import METHOD_NAMES
-from specdecode.engine import GenerationOutput
+from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import InvalidConfigError
 
 if TYPE_CHECKING:

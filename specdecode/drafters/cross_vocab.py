@@ -45,7 +45,7 @@ from torch import Tensor
 from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
 from specdecode.drafters.vocab import INCOMPLETE, common_prefix_len, stable_continuation
 from specdecode.models.decoder import Decoder
-from specdecode.sampling import greedy
+from specdecode.sample.sampling import greedy
 from specdecode.tokenizer import Tokenizer
 
 # The draft cache holds the committed text in draft tokens, which can outnumber the target's.

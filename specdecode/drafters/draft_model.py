@@ -24,7 +24,7 @@ from torch import Tensor
 from specdecode.drafters.base import DraftProposal, Drafter, SequenceState
 from specdecode.errors import VocabularyMismatchError
 from specdecode.models.decoder import Decoder
-from specdecode.sampling import greedy, logits_to_probs, sample
+from specdecode.sample.sampling import greedy, logits_to_probs, sample
 
 
 class DraftModelDrafter(Drafter):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdecode.cache import KVCache
+from specdecode.models.cache import KVCache
 from specdecode.errors import InvalidConfigError
 from specdecode.models import kernels, quant
 from specdecode.models.config import ModelConfig

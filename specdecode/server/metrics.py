@@ -3,7 +3,7 @@
 A per-app ``CollectorRegistry`` (not prometheus-client's global one) lets tests and embedders
 create many apps in one process without "duplicated timeseries" errors. Names follow vLLM's where
 one exists, with the ``specdecode_`` prefix; the speculative counters use the definitions of
-``stats.py``, so ``accepted_tokens_total / draft_tokens_total`` is the acceptance rate and
+``engine/stats.py``, so ``accepted_tokens_total / draft_tokens_total`` is the acceptance rate and
 ``1 + accepted_tokens_total / drafts_total`` the mean acceptance length over all requests.
 """
 
@@ -14,7 +14,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from specdecode.engine import GenerationOutput
+from specdecode.engine.generation import GenerationOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -17,7 +17,7 @@ import jinja2
 
 from specdecode.api import LLM
 from specdecode.config import GREEDY_BELOW, SamplingParams
-from specdecode.engine import GenerationOutput
+from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import PromptTooLongError, SpecDecodeError
 from specdecode.server.http_errors import APIError, bad_request, from_spec_error
 from specdecode.server.schemas import (

@@ -28,7 +28,7 @@ from typing import Any
 
 from specdecode.api import LLM
 from specdecode.config import SamplingParams
-from specdecode.engine import Generation, StreamEvent
+from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.errors import ServerBusyError
 
 _DONE = object()

@@ -244,7 +244,7 @@ class Usage(BaseModel):
 
 
 class SpecDecodeStats(BaseModel):
-    """The request's speculative-decoding statistics, with vLLM's definitions (see stats.py)."""
+    """The request's speculative-decoding statistics, with vLLM's definitions (see engine/stats.py)."""
 
     method: str
     drafts: int

@@ -20,7 +20,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specdecode.engine import GenerationOutput, StreamEvent
+from specdecode.engine.generation import GenerationOutput, StreamEvent
 from specdecode.server.http_errors import APIError
 from specdecode.server.metrics import ServerMetrics
 

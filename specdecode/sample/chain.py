@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdecode.sampling import sample
+from specdecode.sample.sampling import sample
 
 # If the residual max(0, p - q) has at most this mass, p and q agree up to rounding: draw the
 # recovered token from p instead. Rejection there has probability about this mass, so the

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specdecode.acceptance import verify
-from specdecode.cache import KVCache
+from specdecode.sample.verify import verify
+from specdecode.models.cache import KVCache
 from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams
-from specdecode.draft_length import DraftLength
+from specdecode.engine.draft_length import DraftLength
 from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
 from specdecode.errors import InvalidConfigError, NonFiniteLogitsError, PromptTooLongError
 from specdecode.models.decoder import Decoder
-from specdecode.sampling import greedy, logits_to_probs, sample
-from specdecode.stats import RequestStats
-from specdecode.stops import StopChecker
+from specdecode.sample.sampling import greedy, logits_to_probs, sample
+from specdecode.engine.stats import RequestStats
+from specdecode.engine.stops import StopChecker
 from specdecode.tokenizer import Tokenizer
 
 

@@ -12,9 +12,9 @@ from torch import Tensor
 
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import DraftProposal
-from specdecode.sampling import logits_to_probs
-from specdecode.verify import VerifyResult, verify_greedy, verify_rejection
-from specdecode.verify_tree import verify_tree_greedy, verify_tree_rejection
+from specdecode.sample.sampling import logits_to_probs
+from specdecode.sample.chain import VerifyResult, verify_greedy, verify_rejection
+from specdecode.sample.tree import verify_tree_greedy, verify_tree_rejection
 
 
 def verify(proposal: DraftProposal, logits: Tensor, params: SamplingParams,

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specdecode.sampling import sample
-from specdecode.verify import RESIDUAL_MIN_MASS, VerifyResult
+from specdecode.sample.sampling import sample
+from specdecode.sample.chain import RESIDUAL_MIN_MASS, VerifyResult
 
 
 def children_by_row(parents: Sequence[int]) -> list[list[int]]:

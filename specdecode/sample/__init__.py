@@ -1,0 +1,2 @@
+"""Choosing tokens exactly: ``sampling`` (temperature, top-k, top-p), the acceptance rules for a
+chain of drafts (``chain``) and a tree (``tree``), and ``verify``, the one entry point to them."""
