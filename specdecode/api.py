@@ -26,7 +26,7 @@ from specdecode.models.catalog import resolve_model
 from specdecode.models.gguf_convert import MARKER_NAME
 from specdecode.models import quant
 from specdecode.models.decoder import Decoder
-from specdecode.models.layer_choice import default_skip, load_skip
+from specdecode.drafters.self_spec.layers import default_skip, load_skip
 from specdecode.tokenizer import Tokenizer
 
 class LLM:

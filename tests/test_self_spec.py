@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.calibrate import (Sample, agreement, calibrate, draft_cost, encode_prompts, estimated_speedup,
+from specdecode.drafters.self_spec.calibrate import (Sample, agreement, calibrate, draft_cost, encode_prompts, estimated_speedup,
                                   expected_tokens, greedy_continuation, search_skip)
 from specdecode.cli import main
-from specdecode.drafters.self_spec import SelfSpecDrafter
+from specdecode.drafters.self_spec.drafter import SelfSpecDrafter
 from specdecode.errors import InvalidConfigError
-from specdecode.models.layer_choice import (SKIP_FILE_NAME, check_skip, default_skip, fingerprint, load_skip,
+from specdecode.drafters.self_spec.layers import (SKIP_FILE_NAME, check_skip, default_skip, fingerprint, load_skip,
                                             save_skip, skip_file)
-from specdecode.models.layer_skip import skip_layers
+from specdecode.drafters.self_spec.skip import skip_layers
 from tests.conftest import make_tiny_llm
 from tests.test_lossless import _prompt
 from tests.test_sampling_lossless import assert_sampled_joint_is_exact
@@ -198,7 +198,7 @@ def test_search_picks_a_valid_improving_skip_set(llm, samples):
 
 
 def test_lazy_search_retries_only_the_best_candidates(llm, samples, monkeypatch):
-    import specdecode.calibrate as calibration
+    import specdecode.drafters.self_spec.calibrate as calibration
 
     tried: list[list[int]] = []
     real = calibration.agreement

@@ -1,7 +1,7 @@
 """``specdecode calibrate``: choose the layers self-speculation (``--method self``) skips.
 
 Generates the target's greedy continuation of a few prompts, searches a skip set by teacher-forced
-agreement (see ``calibrate.py``), prints it and stores it next to the model as
+agreement (see ``drafters/self_spec/calibrate.py``), prints it and stores it next to the model as
 ``specdecode-self.json``, where ``--method self`` finds it.
 """
 
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.calibrate import (DEFAULT_CALIBRATION_K, DEFAULT_CALIBRATION_TOKENS, DEFAULT_CANDIDATES,
+from specdecode.drafters.self_spec.calibrate import (DEFAULT_CALIBRATION_K, DEFAULT_CALIBRATION_TOKENS, DEFAULT_CANDIDATES,
                                   DEFAULT_MAX_SKIP)
 from specdecode.config import DEFAULT_MODEL
 from specdecode.errors import InvalidConfigError
@@ -48,10 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from specdecode.calibrate import BUILTIN_PROMPTS, calibrate, encode_prompts, greedy_continuation, max_skipped
+    from specdecode.drafters.self_spec.calibrate import BUILTIN_PROMPTS, calibrate, encode_prompts, greedy_continuation, max_skipped
     from specdecode.models.catalog import resolve_model
     from specdecode.models.decoder import Decoder
-    from specdecode.models.layer_choice import save_skip, skip_file
+    from specdecode.drafters.self_spec.layers import save_skip, skip_file
     from specdecode.tokenizer import Tokenizer
 
     if args.num_prompts is not None and args.num_prompts < 1:

@@ -65,7 +65,7 @@ def _suffix(r: DraftResources, capacity: int) -> Drafter:
 
 
 def _self(r: DraftResources, capacity: int) -> Drafter:
-    from specdecode.drafters.self_spec import SelfSpecDrafter
+    from specdecode.drafters.self_spec.drafter import SelfSpecDrafter
 
     return SelfSpecDrafter(r.target, r.self_skip(), capacity, r.spec.draft_confidence)
 

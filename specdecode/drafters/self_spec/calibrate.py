@@ -38,8 +38,8 @@ from specdecode.config import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidConfigError
 from specdecode.models.config import ModelConfig
 from specdecode.models.decoder import Decoder
-from specdecode.models.layer_choice import SkipChoice, fingerprint
-from specdecode.models.layer_skip import skip_layers
+from specdecode.drafters.self_spec.layers import SkipChoice, fingerprint
+from specdecode.drafters.self_spec.skip import skip_layers
 from specdecode.sample.sampling import greedy
 from specdecode.tokenizer import Tokenizer
 

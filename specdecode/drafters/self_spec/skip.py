@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from specdecode.models.decoder import Decoder
-from specdecode.models.layer_choice import check_skip
+from specdecode.drafters.self_spec.layers import check_skip
 
 
 def skip_layers(model: Decoder, skip: Sequence[int]) -> Decoder:

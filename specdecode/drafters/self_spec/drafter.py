@@ -1,11 +1,11 @@
 """Self-speculation: the target drafts for itself with some of its layers skipped.
 
 No second model, no extra weights, and the vocabulary matches by construction: the draft is a
-view of the target (``models/layer_skip.py``) that shares every tensor and runs only the kept
+view of the target (``self_spec/skip.py``) that shares every tensor and runs only the kept
 layers, with its own KV cache for them. Everything else (drafting K tokens one forward at a time,
 the confidence stop, rolling back rejected drafts) is the draft-model drafter's, unchanged.
 
-Which layers to skip comes from ``specdecode calibrate`` (``models/layer_choice.load_skip``) or,
+Which layers to skip comes from ``specdecode calibrate`` (``self_spec/layers.load_skip``) or,
 without a calibration, from ``default_skip``.
 """
 
@@ -16,8 +16,8 @@ from typing import ClassVar
 
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.models.decoder import Decoder
-from specdecode.models.layer_choice import check_skip, default_skip
-from specdecode.models.layer_skip import skip_layers
+from specdecode.drafters.self_spec.layers import check_skip, default_skip
+from specdecode.drafters.self_spec.skip import skip_layers
 
 
 class SelfSpecDrafter(DraftModelDrafter):
