@@ -7,19 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.cli.options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
+from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
-from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_SPECULATIVE_TOKENS, DTYPES, SamplingParams
-from specdecode.drafters.registry import METHOD_NAMES
+from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES, SamplingParams
 from specdecode.errors import InvalidConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
-    p.add_argument("--method", choices=METHOD_NAMES, default="none",
-                   help=METHOD_HELP + " (default: %(default)s)")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
-                   help="draft tokens proposed per step (default: %(default)s)")
+    add_method_flag(p, k_help="draft tokens proposed per step")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")

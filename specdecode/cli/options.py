@@ -7,11 +7,18 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_MODEL, DRAFT_QUANTIZE_CHOICES,
-                               LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW)
-from specdecode.drafters.registry import method_help
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS,
+                               DRAFT_QUANTIZE_CHOICES, LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW)
+from specdecode.drafters.registry import METHOD_NAMES, method_help
 
 METHOD_HELP = method_help()
+
+
+def add_method_flag(p: argparse.ArgumentParser, k_help: str) -> None:
+    """``--method`` and ``-k`` for commands that run one method (generate, serve)."""
+    p.add_argument("--method", choices=METHOD_NAMES, default="none", help=METHOD_HELP + " (default: %(default)s)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
+                   help=k_help + " (default: %(default)s)")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:

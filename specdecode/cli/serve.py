@@ -11,10 +11,9 @@ import sys
 import threading
 import time
 
-from specdecode.cli.options import (METHOD_HELP, add_draft_options, add_method_options, add_model_options,
+from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
-from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_SPECULATIVE_TOKENS, DTYPES
-from specdecode.drafters.registry import METHOD_NAMES
+from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.errors import InvalidConfigError
 from specdecode.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                            DEFAULT_MAX_CONNECTIONS, guarded_protocol)
@@ -24,10 +23,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_options(p)
-    p.add_argument("--method", choices=METHOD_NAMES, default="none",
-                   help=METHOD_HELP + " (default: %(default)s)")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
-                   help="most draft tokens proposed per step (default: %(default)s)")
+    add_method_flag(p, k_help="most draft tokens proposed per step")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; "
                         "0.0.0.0 exposes the server to the network)")
