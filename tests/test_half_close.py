@@ -19,7 +19,9 @@ from specdecode.server.streaming import with_keepalives
 MODEL = "tiny-pair"
 
 
-def _request(body: dict) -> bytes:
+def _request(max_tokens: int, stream: bool) -> bytes:
+    body = {"model": MODEL, "prompt": "a", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": stream}
     data = json.dumps(body).encode()
     return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
@@ -49,9 +51,8 @@ def slow_server(tiny_pair, monkeypatch):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_half_closed_client_gets_its_answer(slow_server, stream) -> None:
     server, _ = slow_server
-    body = {"model": MODEL, "prompt": "a", "max_tokens": 20, "ignore_eos": True, "temperature": 0, "stream": stream}
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(_request(body))
+        sock.sendall(_request(20, stream))
         sock.shutdown(socket.SHUT_WR)  # nothing more to send: `nc -N`, or a client done writing
         reply = _read_all(sock)  # ends when the server closes the connection after the answer
     head, _, payload = reply.rpartition(b"HTTP/1.1 200 OK\r\n")
@@ -83,9 +84,8 @@ def _dechunk(body: bytes) -> list[bytes]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_is_still_noticed(slow_server, stream) -> None:
     server, slow = slow_server
-    body = {"model": MODEL, "prompt": "a", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": stream}
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(_request(body))
+        sock.sendall(_request(400, stream))
         assert wait_until(lambda: slow.submitted == 1)
     assert wait_until(lambda: slow.cancels == 1, timeout=15)  # the probe's reset: about 2 s
     assert wait_until(lambda: metric(server.metrics(), "specdecode_num_requests_running") == 0)
