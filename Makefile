@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m specdecode.demo
+	$(VENV)/bin/specdecode demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra

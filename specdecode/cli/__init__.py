@@ -17,6 +17,7 @@ from specdecode.errors import SpecDecodeError
 def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]]:
     from specdecode.cli.bench import add_arguments as bench_args
     from specdecode.cli.calibrate import add_arguments as calibrate_args
+    from specdecode.cli.demo import add_arguments as demo_args
     from specdecode.cli.generate import add_arguments as generate_args
     from specdecode.cli.index import add_arguments as index_args
     from specdecode.cli.models import add_arguments as models_args
@@ -33,6 +34,7 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
                   serve_args),
         "calibrate": ("Choose the layers --method self skips and store the choice next to the model.",
                       calibrate_args),
+        "demo": ("Run the default model pair on a few prompts: plain decoding against each method.", demo_args),
     }
 
 

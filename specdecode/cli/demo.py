@@ -1,4 +1,5 @@
-"""``make demo``: the default pair on a few prompts, plain decoding against each method.
+"""``specdecode demo`` (what ``make demo`` runs): the default pair on a few prompts, plain decoding
+against each method.
 
 Prints, per prompt and method: tokens/s, speedup over plain decoding, mean acceptance length,
 acceptance rate, and whether the output is token-identical to plain greedy decoding.
@@ -7,9 +8,7 @@ acceptance rate, and whether the output is token-identical to plain greedy decod
 from __future__ import annotations
 
 import argparse
-import sys
 
-from specdecode.api import LLM
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, SamplingParams
 
 PROMPTS = [
@@ -23,11 +22,16 @@ PROMPTS = [
 METHODS = ("none", "ngram", "draft_model")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("-k", type=int, default=DEFAULT_SPECULATIVE_TOKENS)
-    args = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default: %(default)s)")
+    p.add_argument("-k", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
+                   help="most draft tokens proposed per step (default: %(default)s)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdecode.api import LLM
+
     llm = LLM(method="draft_model", num_speculative_tokens=args.k)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     weights = "GGUF weights run as shipped" if llm.quantize == "native" else f"{llm.quantize or 'float32'} weights"
@@ -52,7 +56,3 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s.acceptance_rate:7.0%}  {'yes' if same else 'NO'}", flush=True)
         print(f"  answer: {base.text[:160]!r}{'...' if len(base.text) > 160 else ''}\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
