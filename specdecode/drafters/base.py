@@ -8,6 +8,7 @@ never branches on a method's name.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -89,7 +90,7 @@ class DraftProposal:
 EMPTY_PROPOSAL = DraftProposal(torch.empty(0, dtype=torch.long), None)
 
 
-class Drafter:
+class Drafter(ABC):
     """Base of every drafter. The engine calls each hook at its moment, unconditionally; the
     defaults do nothing, so a drafter overrides only what it uses.
 
@@ -105,9 +106,9 @@ class Drafter:
     def begin(self, seq: SequenceState) -> None:
         """A new request: index the prompt, prefill a draft model, reset state."""
 
+    @abstractmethod
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
-        """Up to ``k`` draft tokens continuing ``seq.token_ids``."""
-        raise NotImplementedError
+        """Up to ``k`` draft tokens continuing ``seq.token_ids``: the one hook every drafter defines."""
 
     def observe(self, logits: Tensor) -> None:
         """The verify forward's logits [rows, V], before ``accept`` (drafters that learn from them)."""

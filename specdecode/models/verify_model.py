@@ -85,12 +85,11 @@ def _sources(entry: CatalogEntry, progress: bool) -> list[Finding]:
 def _pip_records(package: str) -> dict[Path, Record | None]:
     """The weight files pip installed for ``package`` and the size/SHA-256 its RECORD lists."""
     try:
-        files = metadata.distribution(package).files or []
+        dist = metadata.distribution(package)
     except metadata.PackageNotFoundError:
         return {}
-    dist = metadata.distribution(package)
     out: dict[Path, Record | None] = {}
-    for f in files:
+    for f in dist.files or []:
         if f.suffix not in (".bin", ".gguf"):
             continue
         record = None

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,7 @@ class Job:
                 self.cancel()
 
 
-class JobQueue:
+class JobQueue(ABC):
     """What the app needs from a scheduler, with defaults: ``method`` and ``k`` None mean the
     LLM's own; a queue is ``alive`` unless it says otherwise."""
 
@@ -89,9 +90,9 @@ class JobQueue:
         """False once the queue can run nothing more; feeds ``/health``."""
         return True
 
+    @abstractmethod
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         """Queue a request: a job to iterate for its ``StreamEvent``s, and to ``cancel()``."""
-        raise NotImplementedError
 
 
 class Scheduler(JobQueue):
