@@ -33,7 +33,7 @@ def main() -> None:
     print(f"{'category':16} {'tokens':>6} {'top-1 agree':>11} {'mean KL':>9}")
     for prompt in prompts:
         ids = reference.chat_prompt_ids([{"role": "user", "content": prompt.turns[0]}])
-        answer = reference.engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0), None, 1)
+        answer = reference.engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
         tokens = torch.tensor(ids + answer.token_ids)
         rows = slice(len(ids) - 1, len(tokens) - 1)  # the positions that predict the answer
         logits = [m.target.forward(tokens, m.target.new_cache(len(tokens)))[rows] for m in (reference, native)]

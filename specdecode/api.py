@@ -202,8 +202,7 @@ class LLM:
         overrides = {"method": method, "num_speculative_tokens": num_speculative_tokens, "adaptive": adaptive}
         spec = dataclasses.replace(self.spec, **{k: v for k, v in overrides.items() if v is not None})
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        return self.engine.stream(ids, params or SamplingParams(), self.drafter(spec.method),
-                                  spec.num_speculative_tokens, spec.adaptive)
+        return self.engine.stream(ids, params or SamplingParams(), self.drafter(spec.method), spec)
 
     def chat_prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not messages:

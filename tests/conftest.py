@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode.config import SpecConfig
+
 # Where converted real models live (reused across runs); tests otherwise get a private home so
 # packed-weight caches of temporary tiny models never pile up in the user's cache.
 REAL_HOME = Path(os.environ.get("SPECDECODE_HOME") or Path.home() / ".cache" / "specdecode")
@@ -117,3 +119,8 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     target = make_tiny_llm(root / "target", "qwen2", seed=10, tie_word_embeddings=False)
     draft = make_tiny_llm(root / "draft", "qwen2", seed=10, noise=0.1, tie_word_embeddings=False)
     return target, draft
+
+
+def spec_k(k: int, adaptive: bool = True) -> SpecConfig:
+    """Speculative settings with K = ``k``, for tests that drive ``Engine`` directly."""
+    return SpecConfig(num_speculative_tokens=k, adaptive=adaptive)

@@ -27,7 +27,7 @@ from specdecode.drafters.cross_vocab import CrossVocabDrafter, _CommittedText, _
 from specdecode.drafters.vocab import continue_ids, same_vocabulary, stable_continuation
 from specdecode.models.decoder import Decoder
 from specdecode.tokenizer import Tokenizer, build_byte_level_bpe
-from tests.conftest import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from tests.conftest import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, spec_k
 from tests.test_sampling_lossless import assert_sampled_joint_is_exact
 
 MERGED_VOCAB = 300
@@ -296,8 +296,8 @@ def test_greedy_identity_with_a_draft_of_another_vocabulary(byte_llm, merged_dra
     drafted = 0
     for seed in range(5):
         ids = byte_llm.tokenizer.encode(_text_prompt(seed))
-        plain = byte_llm.engine.generate(ids, _greedy(), None, k)
-        spec = byte_llm.engine.generate(ids, _greedy(), drafter, k)
+        plain = byte_llm.engine.generate(ids, _greedy())
+        spec = byte_llm.engine.generate(ids, _greedy(), drafter, spec_k(k))
         assert spec.token_ids == plain.token_ids, (k, seed)
         assert len(spec.token_ids) == 40
         drafted += spec.stats.draft_tokens
@@ -333,8 +333,8 @@ def test_permuted_vocabulary_oracle_is_accepted(char_llm, char_oracle, k):
     accepted = drafted = steps = plain_steps = 0
     for seed in range(4):
         ids = char_llm.tokenizer.encode(_char_prompt(seed))
-        plain = char_llm.engine.generate(ids, _greedy(), None, k)
-        spec = char_llm.engine.generate(ids, _greedy(), drafter, k, adaptive=False)
+        plain = char_llm.engine.generate(ids, _greedy())
+        spec = char_llm.engine.generate(ids, _greedy(), drafter, spec_k(k, adaptive=False))
         assert spec.token_ids == plain.token_ids, (k, seed)
         accepted, drafted = accepted + spec.stats.accepted_tokens, drafted + spec.stats.draft_tokens
         steps, plain_steps = steps + spec.stats.target_steps, plain_steps + plain.stats.target_steps
@@ -375,7 +375,7 @@ def test_text_oracle_with_merges_is_accepted(char_llm, tmp_path, k):
     """A draft tokenizer with merges (one draft token = several target tokens) and a draft that
     knows the text: translation must turn its text into exactly the target's tokens."""
     ids = char_llm.tokenizer.encode(_char_prompt(5))
-    plain = char_llm.engine.generate(ids, _greedy(60), None, k)
+    plain = char_llm.engine.generate(ids, _greedy(60))
     reference = char_llm.tokenizer.decode(ids + plain.token_ids, skip_special_tokens=False)
     output = char_llm.tokenizer.decode(plain.token_ids, skip_special_tokens=False)
     pairs = Counter(zip(output, output[1:]))
@@ -385,7 +385,7 @@ def test_text_oracle_with_merges_is_accepted(char_llm, tmp_path, k):
     assert len(draft_tok.encode(output)) < 0.9 * len(plain.token_ids)  # merges really apply
     oracle = TextOracle(draft_tok, reference, draft_tok.vocab_size)
     drafter = CrossVocabDrafter(oracle, draft_tok, char_llm.tokenizer, 512)
-    spec = char_llm.engine.generate(ids, _greedy(60), drafter, k, adaptive=False)
+    spec = char_llm.engine.generate(ids, _greedy(60), drafter, spec_k(k, adaptive=False))
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted_tokens / spec.stats.draft_tokens > 0.9
     assert spec.stats.accepted_tokens >= 0.6 * len(plain.token_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.models.decoder import Decoder
+from specdecode.models.decoder import Decoder, HiddenCapture
 
 
 @pytest.mark.parametrize("native,invariant", [(None, True), (False, True), (None, False)],
@@ -26,6 +26,36 @@ def test_logits_match_transformers(tiny_models, arch, native, invariant):
                      ours.forward(tokens[21:], cache)])
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("native", [None, False], ids=["native", "portable"])
+def test_captured_hidden_states_are_transformers_hidden_states(tiny_models, native):
+    """A capture of layers (0, 1, L) holds HF's hidden_states[0] and [1] and the last layer's
+    output before the final norm, for every row of chunked forwards, a ``last_only`` one included;
+    the logits are the bits of a forward without a capture."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models["qwen2"]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = Decoder.from_dir(path, native=native)
+    d = ours.config.hidden_size
+    tokens = torch.randint(0, ours.config.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = ref(tokens[None], output_hidden_states=True)
+    capture = HiddenCapture((0, 1, ours.config.num_layers))
+    cache, plain = ours.new_cache(64), ours.new_cache(64)
+    ours.forward(tokens[:17], cache, last_only=True, capture=capture)
+    logits = ours.forward(tokens[17:], cache, capture=capture)
+    ours.forward(tokens[:17], plain)
+    assert torch.equal(logits, ours.forward(tokens[17:], plain))
+    states = capture.take()
+    assert states.shape == (30, 3 * d)
+    torch.testing.assert_close(states[:, :d], out.hidden_states[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[:, d : 2 * d], out.hidden_states[1][0], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # HF's last entry is after the final norm
+        torch.testing.assert_close(ref.model.norm(states[:, 2 * d :]), out.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        capture.take()  # taken: nothing left
 
 
 @pytest.mark.parametrize("native", [None, False], ids=["native", "portable"])

@@ -65,7 +65,7 @@ class Handler(BaseHTTPRequestHandler):
             with open(log, "a") as f:
                 f.write(json.dumps({"argv": args, "body": body}) + "\n")
         params = SamplingParams(max_tokens=body["max_tokens"], temperature=0.0)
-        out = llm.engine.generate(body["prompt"], params, llm.drafter("none"), 1, True)
+        out = llm.engine.generate(body["prompt"], params)
         tokens = list(out.token_ids)
         if 0 <= diverge_at < len(tokens):
             tokens[diverge_at] = (tokens[diverge_at] + 1) % 64

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
+from tests.conftest import spec_k
 
 SEEDS = range(6)
 # Every speculative method; each must reproduce plain greedy decoding token for token.
@@ -191,8 +192,8 @@ def test_lookahead_settings_keep_identity(llm, window, ngram, candidates):
     drafter = LookaheadDrafter(window, ngram, candidates)
     for seed in SEEDS:
         ids = llm.tokenizer.encode(_prompt(seed))
-        plain = llm.engine.generate(ids, _greedy(), None, 1)
-        out = llm.engine.generate(ids, _greedy(), drafter, 8)
+        plain = llm.engine.generate(ids, _greedy())
+        out = llm.engine.generate(ids, _greedy(), drafter, spec_k(8))
         assert out.token_ids == plain.token_ids, (window, ngram, candidates, seed)
         assert out.stats.draft_tokens > 0
 

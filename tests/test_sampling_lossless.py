@@ -17,6 +17,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.sample.sampling import logits_to_probs
+from tests.conftest import spec_k
 
 TRIALS = 1500
 
@@ -71,7 +72,7 @@ def assert_sampled_joint_is_exact(llm: LLM, ids: list[int], drafter, k: int = 2,
     for seed in range(trials):
         # max_tokens=4 lets the first verify step carry 2 drafts; the law of tokens 1..3 is checked.
         params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
-        out = llm.engine.generate(ids, params, drafter, k, adaptive)
+        out = llm.engine.generate(ids, params, drafter, spec_k(k, adaptive=adaptive))
         counts[tuple(out.token_ids[:3])] += 1
         drafted += out.stats.draft_tokens
         accepted += out.stats.accepted_tokens

@@ -10,6 +10,7 @@ from specdecode.api import LLM
 from specdecode.config import SamplingParams
 from specdecode.errors import PromptTooLongError, ServerBusyError
 from specdecode.server.scheduler import Scheduler
+from tests.conftest import spec_k
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def _run_concurrently(scheduler: Scheduler, prompts, params):
 def test_concurrent_requests_equal_solo_greedy(llm, method):
     prompts = _prompts(llm, 6)
     params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(6)]
-    solo = [llm.engine.generate(p, q, llm.drafter(method), 4) for p, q in zip(prompts, params)]
+    solo = [llm.engine.generate(p, q, llm.drafter(method), spec_k(4)) for p, q in zip(prompts, params)]
     scheduler = Scheduler(llm, method=method, max_concurrency=4, max_queue=8)
     results = _run_concurrently(scheduler, prompts, params)
     for (text, out), alone in zip(results, solo):
@@ -65,7 +66,7 @@ def test_int8_target_batched_equals_solo(tiny_pair, method):
     llm = LLM(model=str(target), draft=str(draft), max_seq_len=256, progress=False, quantize="int8")
     prompts = _prompts(llm, 5)
     params = [SamplingParams(max_tokens=10 + 4 * i, ignore_eos=True) for i in range(5)]
-    solo = [llm.engine.generate(p, q, llm.drafter(method), 4) for p, q in zip(prompts, params)]
+    solo = [llm.engine.generate(p, q, llm.drafter(method), spec_k(4)) for p, q in zip(prompts, params)]
     results = _run_concurrently(Scheduler(llm, method=method, max_concurrency=5, max_queue=8), prompts, params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
 
@@ -101,7 +102,7 @@ def test_seeded_sampling_is_reproducible_under_batching(llm):
     prompts = _prompts(llm, 3)
     params = [SamplingParams(max_tokens=15, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True)
               for i in range(3)]
-    solo = [llm.engine.generate(p, q, llm.drafter("draft_model"), 4) for p, q in zip(prompts, params)]
+    solo = [llm.engine.generate(p, q, llm.drafter("draft_model"), spec_k(4)) for p, q in zip(prompts, params)]
     results = _run_concurrently(Scheduler(llm, method="draft_model", max_concurrency=3), prompts, params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
 
@@ -177,7 +178,7 @@ def test_a_long_prompt_runs_in_chunks_between_other_requests_decode_steps(llm, m
     monkeypatch.setattr(target, "forward_batch", logged_batch)
     short, long = [5, 6, 7], list(range(10, 74))  # 64 tokens: 8 chunks
     params = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
-    solo = [llm.engine.generate(p, q, llm.drafter("none"), 4) for p, q in zip((short, long), params)]
+    solo = [llm.engine.generate(p, q) for p, q in zip((short, long), params)]
     calls.clear()
     scheduler = Scheduler(llm, method="none", max_concurrency=4, max_queue=8)
 

@@ -18,7 +18,7 @@ from specdecode.errors import InvalidConfigError
 from specdecode.drafters.self_spec.layers import (SKIP_FILE_NAME, check_skip, default_skip, fingerprint, load_skip,
                                             save_skip, skip_file)
 from specdecode.drafters.self_spec.skip import skip_layers
-from tests.conftest import make_tiny_llm
+from tests.conftest import make_tiny_llm, spec_k
 from tests.test_lossless import _prompt
 from tests.test_sampling_lossless import assert_sampled_joint_is_exact
 
@@ -121,13 +121,13 @@ def test_drafter_defaults_to_the_heuristic(llm):
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_identity(llm, k):
-    plain = {s: llm.engine.generate(llm.tokenizer.encode(_prompt(s)), _greedy(), None, k).token_ids for s in SEEDS}
+    plain = {s: llm.engine.generate(llm.tokenizer.encode(_prompt(s)), _greedy()).token_ids for s in SEEDS}
     drafted = accepted = 0
     for skip in ([1], [1, 2], [0, 3]):
         for confidence in (0.0, 0.5):
             drafter = SelfSpecDrafter(llm.target, skip, 512, confidence)
             for seed in SEEDS:
-                out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, k)
+                out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, spec_k(k))
                 assert out.token_ids == plain[seed], (skip, confidence, seed)
                 assert out.method == "self"
                 drafted += out.stats.draft_tokens
@@ -139,8 +139,8 @@ def test_greedy_identity(llm, k):
 def test_empty_skip_accepts_every_draft(llm, k):
     ids = llm.tokenizer.encode(_prompt(1))
     drafter = SelfSpecDrafter(llm.target, [], 512)
-    out = llm.engine.generate(ids, _greedy(33), drafter, k, adaptive=False)
-    plain = llm.engine.generate(ids, _greedy(33), None, k)
+    out = llm.engine.generate(ids, _greedy(33), drafter, spec_k(k, adaptive=False))
+    plain = llm.engine.generate(ids, _greedy(33))
     assert out.token_ids == plain.token_ids
     assert out.stats.draft_tokens > 0 and out.stats.acceptance_rate == 1.0
     assert out.stats.target_steps < plain.stats.target_steps
@@ -150,7 +150,7 @@ def test_seeded_sampling_is_reproducible(llm):
     drafter = SelfSpecDrafter(llm.target, [1], 512)
     ids = llm.tokenizer.encode("hello")
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
-    runs = [llm.engine.generate(ids, params, drafter, 4).token_ids for _ in range(2)]
+    runs = [llm.engine.generate(ids, params, drafter, spec_k(4)).token_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 20
 
 
@@ -164,7 +164,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(llm):
 
 def test_calibration_data_is_the_targets_greedy_output(llm, samples):
     for s in samples:
-        plain = llm.engine.generate(s.ids[: s.prompt_len], _greedy(24), None, 1)
+        plain = llm.engine.generate(s.ids[: s.prompt_len], _greedy(24))
         assert plain.token_ids == s.ids[s.prompt_len :]
     assert agreement(skip_layers(llm.target, []), samples) == 1.0
     assert agreement(skip_layers(llm.target, [1, 2]), samples) < 1.0

@@ -13,6 +13,7 @@ from specdecode.drafters.base import SequenceState
 from specdecode.drafters.suffix import SuffixDrafter, SuffixHistory
 from specdecode.errors import DatastoreError, InvalidConfigError
 from specdecode.index import Datastore, build_datastore, tokenizer_fingerprint
+from tests.conftest import spec_k
 
 SEEDS = range(4)
 
@@ -179,7 +180,7 @@ def llm(tiny_pair):
 
 @pytest.fixture(scope="module")
 def plain(llm) -> dict[int, list[int]]:
-    return {s: llm.engine.generate(llm.tokenizer.encode(_prompt(s)), _greedy(), None, 1).token_ids for s in SEEDS}
+    return {s: llm.engine.generate(llm.tokenizer.encode(_prompt(s)), _greedy()).token_ids for s in SEEDS}
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +199,7 @@ def test_greedy_identity_with_and_without_datastore(llm, plain, output_store, k)
         accepted[name] = 0
         for seed in SEEDS:
             drafter = SuffixDrafter(datastore=store, tokenizer=llm.tokenizer)
-            out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, k)
+            out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, spec_k(k))
             assert out.token_ids == plain[seed], (name, k, seed)
             assert out.method == "suffix"
             accepted[name] += out.stats.accepted_tokens
@@ -212,14 +213,14 @@ def test_greedy_identity_with_history_of_earlier_requests(llm, plain, k):
     drafter = SuffixDrafter(history=history)  # one drafter reused across requests, like LLM.drafter()
     first = {}
     for seed in SEEDS:
-        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, k)
+        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, spec_k(k))
         assert out.token_ids == plain[seed]
         first[seed] = out.stats
     drafter.finish()
     assert len(history) > 0
     for seed in SEEDS:  # the same requests again: the history holds their whole output
         fresh = SuffixDrafter(history=history)
-        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), fresh, k)
+        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), fresh, spec_k(k))
         assert out.token_ids == plain[seed], (k, seed)
         assert out.stats.accepted_tokens > first[seed].accepted_tokens
         assert out.stats.target_steps < first[seed].target_steps
@@ -230,8 +231,8 @@ def test_sampling_runs_with_deterministic_drafts(llm, output_store):
     """probs=None drafts go through exact rejection sampling (a one-hot draft distribution)."""
     params = SamplingParams(max_tokens=30, temperature=0.3, seed=1, ignore_eos=True)  # near greedy
     prompt = llm.tokenizer.encode(_prompt(0))
-    out = llm.engine.generate(prompt, params, SuffixDrafter(datastore=output_store), 4)
-    again = llm.engine.generate(prompt, params, SuffixDrafter(datastore=output_store), 4)
+    out = llm.engine.generate(prompt, params, SuffixDrafter(datastore=output_store), spec_k(4))
+    again = llm.engine.generate(prompt, params, SuffixDrafter(datastore=output_store), spec_k(4))
     assert len(out.token_ids) == 30 and out.stats.draft_tokens > 0
     assert again.token_ids == out.token_ids  # same seed, same drafts: reproducible
 
@@ -240,9 +241,9 @@ def test_engine_feeds_finished_requests_to_the_shared_history(llm, plain):
     """A fresh drafter per request (the server's way): the engine's finish hook fills the LLM's history."""
     prompt = llm.tokenizer.encode(_prompt(1))
     before = len(llm.suffix_history)
-    first = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), 8)
+    first = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), spec_k(8))
     assert len(llm.suffix_history) > before
-    again = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), 8)
+    again = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), spec_k(8))
     assert first.token_ids == again.token_ids == plain[1]
     assert again.stats.target_steps < first.stats.target_steps
 

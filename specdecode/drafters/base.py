@@ -96,12 +96,14 @@ class Drafter(ABC):
 
     ``adapts_length``: the engine may shorten or lengthen ``k`` with the acceptance (False for a
     drafter whose proposal size is its own, like a lookahead window). ``needs_hidden_states``:
-    the verify forward must hand the target's hidden states to ``observe`` (trained heads).
+    every target forward captures the states of ``hidden_layers`` (see ``HiddenCapture``) and
+    the drafter gets them through ``observe_hidden`` (trained heads).
     """
 
     name: ClassVar[str]
     adapts_length: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = False
+    hidden_layers: tuple[int, ...] = ()
 
     def begin(self, seq: SequenceState) -> None:
         """A new request: index the prompt, prefill a draft model, reset state."""
@@ -112,6 +114,13 @@ class Drafter(ABC):
 
     def observe(self, logits: Tensor) -> None:
         """The verify forward's logits [rows, V], before ``accept`` (drafters that learn from them)."""
+
+    def observe_hidden(self, states: Tensor) -> None:
+        """The target's hidden states [n, len(hidden_layers) * D] of the tokens committed since the
+        last call, in order: after the prompt, every prompt token; after a verify step, the step's
+        first token and its accepted drafts. So the states seen cover every committed token but
+        the last, whose states the next verify forward computes (as the target's KV cache does).
+        Called before ``begin`` finishes a prefill's work and before ``accept``."""
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         """The first ``n_accepted`` drafts were kept and one more token was appended to ``seq``."""

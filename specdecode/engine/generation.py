@@ -17,11 +17,11 @@ from torch import Tensor
 
 from specdecode.sample.verify import verify
 from specdecode.models.cache import KVCache
-from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams
+from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpecConfig
 from specdecode.engine.draft_length import DraftLength
 from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
-from specdecode.errors import InvalidConfigError, NonFiniteLogitsError, PromptTooLongError
-from specdecode.models.decoder import Decoder
+from specdecode.errors import NonFiniteLogitsError, PromptTooLongError
+from specdecode.models.decoder import Decoder, HiddenCapture
 from specdecode.sample.sampling import greedy, logits_to_probs, sample
 from specdecode.engine.stats import RequestStats
 from specdecode.engine.stops import StopChecker
@@ -42,6 +42,7 @@ class GenerationOutput:
 # a long prompt stalls them for one chunk rather than for its whole prefill (docs/SERVING.md, "Long
 # prompts"); 256 rows keep the kernels at full speed.
 PREFILL_CHUNK = 256
+PLAIN = SpecConfig()  # the default settings; with no drafter, decoding is plain
 
 @dataclass(frozen=True, slots=True)
 class StreamEvent:
@@ -61,10 +62,8 @@ class Generation:
     is shared with other requests; the token decisions here never depend on it.
     """
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, k: int,
-                 adaptive: bool, tokenizer: Tokenizer, cache: KVCache, max_seq_len: int) -> None:
-        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:  # wider verify calls would leave the invariant kernel
-            raise InvalidConfigError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, spec: SpecConfig,
+                 tokenizer: Tokenizer, cache: KVCache, max_seq_len: int) -> None:
         self.started = time.perf_counter()
         self.cache, self.drafter, self.max_seq_len = cache, drafter, max_seq_len
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
@@ -72,9 +71,13 @@ class Generation:
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen)
         # A drafter may size its own proposals (a lookahead window's depth is not a draft length).
-        self.draft_length = DraftLength(k, adaptive and (drafter is None or drafter.adapts_length))
+        self.draft_length = DraftLength(spec.num_speculative_tokens,
+                                        spec.adaptive and (drafter is None or drafter.adapts_length))
         self.stops = StopChecker(tokenizer, params)
         self.proposal = EMPTY_PROPOSAL
+        # What every target forward of this request captures for the drafter (None: nothing).
+        self.capture = (HiddenCapture(drafter.hidden_layers)
+                        if drafter is not None and drafter.needs_hidden_states else None)
         cache.reset()
 
     @property
@@ -99,6 +102,8 @@ class Generation:
         self.stats.ttft_s = time.perf_counter() - self.started
         if self.drafter is not None and not self.finished:
             self.drafter.begin(self.seq)
+            if self.capture is not None:
+                self.drafter.observe_hidden(self.capture.take())
         return StreamEvent(self.stops.take_text(), new)
 
     def plan(self) -> Tensor | None:
@@ -143,6 +148,10 @@ class Generation:
         if self.drafter is not None and not self.finished:
             t0 = time.perf_counter()
             self.drafter.observe(logits)
+            if self.capture is not None:
+                states = self.capture.take()
+                kept = result.rows if result.rows is not None else list(range(result.num_accepted + 1))
+                self.drafter.observe_hidden(states[kept])
             self.drafter.accept(seq, result.num_accepted)
             stats.draft_s += time.perf_counter() - t0
         return StreamEvent(self.stops.take_text(), new)
@@ -182,42 +191,34 @@ class Engine:
                 "including at least one new token; shorten the prompt or raise max_seq_len"
             )
 
-    def begin(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, k: int,
-              adaptive: bool = True, cache: KVCache | None = None) -> Generation:
-        """A checked new request on ``cache`` (default: the engine's own)."""
+    def begin(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
+              spec: SpecConfig = PLAIN, cache: KVCache | None = None) -> Generation:
+        """A checked new request on ``cache`` (default: the engine's own). ``drafter`` None is
+        plain decoding; ``spec`` gives the draft length (K, and whether it adapts to acceptance:
+        ``draft_length.py``); its method was already used to build ``drafter``."""
         self.check_prompt(prompt_ids)
-        return Generation(prompt_ids, params, drafter, k, adaptive, self.tokenizer,
+        return Generation(prompt_ids, params, drafter, spec, self.tokenizer,
                           cache if cache is not None else self.cache, self.max_seq_len)
 
-    def stream(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        drafter: Drafter | None,
-        k: int,
-        adaptive: bool = True,
-    ) -> Iterator[StreamEvent]:
-        """Generate for one prompt, yielding each step's newly final text.
-
-        ``k`` is the most tokens drafted per step; with ``adaptive`` the draft length follows the
-        request's acceptance (see ``draft_length.py``), otherwise it is always ``k``.
-        """
-        gen = self.begin(prompt_ids, params, drafter, k, adaptive)
+    def stream(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
+               spec: SpecConfig = PLAIN) -> Iterator[StreamEvent]:
+        """Generate for one prompt, yielding each step's newly final text (arguments as ``begin``)."""
+        gen = self.begin(prompt_ids, params, drafter, spec)
         for chunk in gen.prefill_chunks():
-            logits = self.target.forward(chunk, self.cache, last_only=True)
+            logits = self.target.forward(chunk, self.cache, last_only=True, capture=gen.capture)
         yield gen.start(logits)
         while not gen.finished:
             inputs = gen.plan()
             if inputs is None:
                 break
             t0 = time.perf_counter()
-            logits = self.target.forward(inputs, self.cache, tree=gen.tree)  # [K+1, V]
+            logits = self.target.forward(inputs, self.cache, tree=gen.tree, capture=gen.capture)  # [K+1, V]
             yield gen.commit(logits, time.perf_counter() - t0)
         yield gen.finish()
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None,
-                 k: int, adaptive: bool = True) -> GenerationOutput:
-        for event in self.stream(prompt_ids, params, drafter, k, adaptive):
+    def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
+                 spec: SpecConfig = PLAIN) -> GenerationOutput:
+        for event in self.stream(prompt_ids, params, drafter, spec):
             if event.output is not None:
                 return event.output
         raise RuntimeError("engine stream ended without an output")  # unreachable

@@ -11,7 +11,7 @@ logits, advancing the cache; callers roll it back with ``cache.trim``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +27,26 @@ from specdecode.models.gguf_native import GGUFLinear, GGUFWeight, gguf_sources
 from specdecode.models.packed import load_packed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class HiddenCapture:
+    """Where a forward leaves one sequence's hidden states, for drafters that read them (trained
+    heads). ``layers`` are layer indices; the state of layer i is its input (the residual stream
+    after layers 0..i-1, Hugging Face's ``hidden_states[i]``), so ``num_layers`` is the final
+    layer's output before the norm. Each forward appends [N, len(layers) * D]: every row, even
+    with ``last_only``, the layers side by side in the order given."""
+
+    layers: tuple[int, ...]
+    _parts: list[Tensor] = field(default_factory=list)
+
+    def take(self) -> Tensor:
+        """The rows appended since the last ``take``, in order; then forget them."""
+        if not self._parts:
+            raise ValueError("no forward has captured hidden states since the last take")
+        states = torch.cat(self._parts) if len(self._parts) > 1 else self._parts[0]
+        self._parts.clear()
+        return states
 
 
 @dataclass(slots=True)
@@ -164,22 +184,23 @@ class Decoder:
         return self.config.max_position_embeddings
 
     def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = False,
-                tree: Sequence[int] | None = None) -> Tensor:
+                tree: Sequence[int] | None = None, capture: HiddenCapture | None = None) -> Tensor:
         """Run ``tokens`` [N] at the next N cache slots; return logits [N, V] (or [1, V]).
 
         Row i attends to every cached token and to rows 0..i (causal). The cache length grows by N.
         With ``tree`` (row i's parent row, -1 for row 0), row i attends to the cache and its own
-        ancestors instead; see ``forward_batch``.
+        ancestors instead; see ``forward_batch``. ``capture`` receives the rows' hidden states.
         """
-        if self._fused is not None and tree is None and tokens.shape[0] <= quant.INT4_MAX_ROWS:
+        if self._fused is not None and tree is None and capture is None and tokens.shape[0] <= quant.INT4_MAX_ROWS:
             start = cache.reserve(tokens.shape[0])
             rows = self._embed(tokens) if isinstance(self.embed, GGUFWeight) else tokens
             return self._fused.forward(rows, cache.k, cache.v, start, last_only)
-        return self.forward_batch([(tokens, cache)], last_only, [tree])[0]
+        return self.forward_batch([(tokens, cache)], last_only, [tree], [capture])[0]
 
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[tuple[Tensor, KVCache]], last_only: bool = False,
-                      trees: Sequence[Sequence[int] | None] | None = None) -> list[Tensor]:
+                      trees: Sequence[Sequence[int] | None] | None = None,
+                      captures: Sequence[HiddenCapture | None] | None = None) -> list[Tensor]:
         """One forward for several sequences, each ``(tokens [N_i], its own cache)``.
 
         The rows of all sequences share every linear layer (one pass over the weights, which is
@@ -193,6 +214,8 @@ class Decoder:
         branch in consecutive slots, so every row computes exactly what it would in a chain: the
         kept path has plain decoding's bits. The cache then holds the rows in node order in its
         side buffers until ``cache.keep_rows`` keeps the accepted path.
+
+        ``captures[j]``, when given, receives segment j's hidden states (see ``HiddenCapture``).
         """
         cfg = self.config
         group = cfg.num_heads // cfg.num_kv_heads
@@ -209,8 +232,17 @@ class Decoder:
         # The decode rows of many sequences stay on the invariant kernel however many they are.
         linear = self._linear if len(segments) == 1 else self._linear.rows
         x = self._embed(tokens)  # [N, D]
+        captures = list(captures or ())
+        wanted = {i for c in captures if c is not None for i in c.layers}
+        states: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in wanted:
+                states[i] = x
             x = self._layer(x, layer, i, views, cos, sin, linear)
+        if len(self.layers) in wanted:
+            states[len(self.layers)] = x
+        if wanted:
+            _deliver(states, captures, [v.n for v in views])
         if last_only:
             ends = torch.tensor([v.n for v in views]).cumsum(0) - 1
             x = x[ends]
@@ -387,6 +419,14 @@ class _SegmentView:
     def positions(self) -> Tensor:
         offsets = torch.arange(self.n) if self.depth is None else self.depth
         return self.start + offsets
+
+
+def _deliver(states: dict[int, Tensor], captures: Sequence[HiddenCapture | None], sizes: list[int]) -> None:
+    """Hand each sequence its rows of the captured layers' states."""
+    for j, capture in enumerate(captures):
+        if capture is not None:
+            whole = torch.cat([states[i].float() for i in capture.layers], dim=-1)
+            capture._parts.append(whole.split(sizes)[j] if len(sizes) > 1 else whole)
 
 
 def _chain_keys(start: int, n: int, group: int, dtype: torch.dtype) -> tuple[int, Tensor]:

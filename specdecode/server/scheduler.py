@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -108,6 +109,7 @@ class Scheduler(JobQueue):
             raise ValueError("need max_concurrency >= 1 and max_queue >= 0")
         self.llm, self.method = llm, method
         self.k = k or llm.spec.num_speculative_tokens
+        self.spec = dataclasses.replace(llm.spec, method=method or llm.spec.method, num_speculative_tokens=self.k)
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
         self._queue: collections.deque[Job] = collections.deque()
         self._lock = threading.Condition()
@@ -201,8 +203,8 @@ class Scheduler(JobQueue):
             engine, llm = self.llm.engine, self.llm
             capacity = min(engine.max_seq_len, len(job.prompt_ids) + job.params.max_tokens)
             cache = engine.target.new_cache(capacity)
-            gen = engine.begin(job.prompt_ids, job.params, llm.new_drafter(self.method, capacity), self.k,
-                               llm.spec.adaptive, cache)
+            gen = engine.begin(job.prompt_ids, job.params, llm.new_drafter(self.spec.method, capacity), self.spec,
+                               cache)
             return _Prefill(job, gen, gen.prefill_chunks())
         except Exception as exc:  # noqa: BLE001 - delivered to the request's handler, which maps it to HTTP
             job._emit(exc)
@@ -217,7 +219,7 @@ class Scheduler(JobQueue):
         try:
             if job.cancelled.is_set():  # the client left: the rest of its prompt is never run
                 raise _Cancelled
-            logits = self.llm.engine.target.forward(p.chunks[p.next], gen.cache, last_only=True)
+            logits = self.llm.engine.target.forward(p.chunks[p.next], gen.cache, last_only=True, capture=gen.capture)
             p.next += 1
             if p.next < len(p.chunks):
                 return None
@@ -254,7 +256,8 @@ class Scheduler(JobQueue):
         t0 = time.perf_counter()
         try:
             logits = self.llm.engine.target.forward_batch([(inputs, gen.cache) for _, gen, inputs in batch],
-                                                          trees=[gen.tree for _, gen, _ in batch])
+                                                          trees=[gen.tree for _, gen, _ in batch],
+                                                          captures=[gen.capture for _, gen, _ in batch])
         except Exception as exc:  # a bug, not user input: fail these requests, keep serving
             for job, _, _ in batch:
                 job._emit(exc)
