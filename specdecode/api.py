@@ -27,6 +27,7 @@ from specdecode.models.gguf_convert import MARKER_NAME
 from specdecode.models import quant
 from specdecode.models.decoder import Decoder
 from specdecode.drafters.self_spec.layers import default_skip, load_skip
+from specdecode.heads.eagle3_format import load_head_for
 from specdecode.tokenizer import Tokenizer
 
 class LLM:
@@ -42,6 +43,7 @@ class LLM:
         quantize: str | None = None,
         draft_quantize: str | None = DEFAULT_DRAFT_QUANTIZE,
         datastore: str | None = None,
+        eagle_head: str | Path | None = None,
         progress: bool = True,
         **spec: Any,
     ) -> None:
@@ -54,6 +56,8 @@ class LLM:
         in ``dtype``. Without fbgemm (non-x86 builds of torch) the draft stays in ``dtype``, warned.
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
         also drafts from each prompt and from earlier requests without one.
+        ``eagle_head``: a folder holding an EAGLE-3 head for this target (SpecForge or vLLM
+        speculators layout), for ``method="eagle"``; checked against the target when loaded.
         ``quantize``: how the *target* runs. "native" (the default for a model converted from
         GGUF, every catalog model) runs the GGUF's quantized weights as shipped through integer
         kernels, activations quantized per row; "none" (the default otherwise) runs float weights
@@ -101,9 +105,10 @@ class LLM:
         self._self_skip: list[int] | None = None  # layers --method self skips, read on first use
         self._drafters: dict[str, Drafter] = {}
         self.suffix_history = SuffixHistory()  # earlier requests' tokens, shared by suffix drafters
+        self.eagle_head = load_head_for(eagle_head, self.target.config, path) if eagle_head is not None else None
         self.resources = DraftResources(self.spec, self.target, self.tokenizer, self.draft_model,
                                         self.draft_tokenizer, draft, self.datastore, self.suffix_history,
-                                        lambda: self.self_skip)
+                                        lambda: self.self_skip, self.eagle_head)
 
     def _foreign_tokenizer(self, draft: str, draft_path: Path) -> Tokenizer | None:
         """The draft's tokenizer when its drafts must be translated through text (another

@@ -107,6 +107,11 @@ class SpecConfig:
     """Size of the n-grams lookahead collects and verifies."""
     lookahead_candidates: int = LOOKAHEAD_CANDIDATES
     """n-grams lookahead verifies per step."""
+    head_tree_width: int = 0
+    """Trained heads (``eagle``, ``medusa``): 0 drafts a chain; w > 0 drafts a token tree of at
+    most K nodes, expanding the w most probable paths by their w most probable tokens."""
+    head_tree_depth: int = 6
+    """The deepest level such a tree reaches."""
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_NAMES:
@@ -124,6 +129,9 @@ class SpecConfig:
         if self.combined_min_match < 1 or self.tree_ngram_min < 1:
             raise InvalidConfigError(f"combined_min_match and tree_ngram_min must be >= 1, got "
                                      f"{self.combined_min_match} and {self.tree_ngram_min}")
+        if self.head_tree_width < 0 or self.head_tree_depth < 1:
+            raise InvalidConfigError(f"need head_tree_width >= 0 and head_tree_depth >= 1, got "
+                                     f"{self.head_tree_width} and {self.head_tree_depth}")
         if self.lookahead_window < 1 or self.lookahead_ngram < 2 or self.lookahead_candidates < 0:
             raise InvalidConfigError(
                 "lookahead needs window >= 1, ngram >= 2 and candidates >= 0; got "

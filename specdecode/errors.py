@@ -60,3 +60,12 @@ class DatastoreError(SpecDecodeError):
 class NonFiniteLogitsError(SpecDecodeError):
     """The model produced NaN or infinite logits: its weights are damaged (or it overflowed);
     emitting a token from them would pass garbage off as a normal answer."""
+
+
+class HeadMismatchError(SpecDecodeError):
+    """A trained drafter (an EAGLE or Medusa head) made for another target model: its sizes or
+    the target fingerprint it recorded differ from the loaded target's."""
+
+
+class CheckpointError(SpecDecodeError):
+    """A head or training checkpoint folder that is missing, incomplete or unreadable."""

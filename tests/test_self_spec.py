@@ -15,7 +15,8 @@ from specdecode.drafters.self_spec.calibrate import (Sample, agreement, calibrat
 from specdecode.cli import main
 from specdecode.drafters.self_spec.drafter import SelfSpecDrafter
 from specdecode.errors import InvalidConfigError
-from specdecode.drafters.self_spec.layers import (SKIP_FILE_NAME, check_skip, default_skip, fingerprint, load_skip,
+from specdecode.models.config import config_fingerprint
+from specdecode.drafters.self_spec.layers import (SKIP_FILE_NAME, check_skip, default_skip, load_skip,
                                             save_skip, skip_file)
 from specdecode.drafters.self_spec.skip import skip_layers
 from tests.conftest import make_tiny_llm, spec_k
@@ -235,7 +236,7 @@ def test_calibration_round_trips_through_the_model_folder(llm, samples, deep_tar
     choice, history = calibrate(llm.target, model_dir, samples, k=4, max_skip=0.5, progress=False)
     assert choice.skip == history[-1].skip == list(QUIET_LAYERS)  # the layers that matter least
     assert 0.5 < choice.alpha < 1.0 and 1 <= choice.best_k <= 32
-    assert choice.num_layers == LAYERS and choice.fingerprint == fingerprint(model_dir)
+    assert choice.num_layers == LAYERS and choice.fingerprint == config_fingerprint(model_dir)
     assert choice.tokens == sum(s.continuation_len for s in samples)
     path = save_skip(choice, skip_file(model_dir))
     assert path == model_dir / SKIP_FILE_NAME and not list(model_dir.glob(".*.tmp"))
@@ -252,7 +253,7 @@ def test_missing_stale_or_broken_files_are_ignored(llm, deep_target, tmp_path):
     model_dir = Path(shutil.copytree(deep_target, tmp_path / "model"))
     cfg = llm.target.config
     assert load_skip(model_dir, cfg) is None  # no file, no warning
-    good = dict(skip=[1], num_layers=LAYERS, fingerprint=fingerprint(model_dir))
+    good = dict(skip=[1], num_layers=LAYERS, fingerprint=config_fingerprint(model_dir))
     _write(model_dir / SKIP_FILE_NAME, **good)
     assert load_skip(model_dir, cfg) == [1]
     for broken in (dict(good, fingerprint="0" * 16), dict(good, num_layers=LAYERS + 1), dict(good, skip=[7]),
@@ -267,7 +268,7 @@ def test_missing_stale_or_broken_files_are_ignored(llm, deep_target, tmp_path):
 
 def test_file_from_another_model_is_stale(llm, deep_target, tmp_path):
     model_dir = Path(shutil.copytree(deep_target, tmp_path / "model"))
-    _write(model_dir / SKIP_FILE_NAME, skip=[1], num_layers=LAYERS, fingerprint=fingerprint(model_dir))
+    _write(model_dir / SKIP_FILE_NAME, skip=[1], num_layers=LAYERS, fingerprint=config_fingerprint(model_dir))
     config = json.loads((model_dir / "config.json").read_text())
     config["rope_theta"] = 5000.0  # another model with the same layer count
     (model_dir / "config.json").write_text(json.dumps(config))

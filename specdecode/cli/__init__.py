@@ -22,6 +22,7 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
     from specdecode.cli.index import add_arguments as index_args
     from specdecode.cli.models import add_arguments as models_args
     from specdecode.cli.serve import add_arguments as serve_args
+    from specdecode.cli.train import add_arguments as train_args
     from specdecode.cli.verify_cost import add_arguments as verify_cost_args
 
     return {
@@ -34,6 +35,7 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
                   serve_args),
         "calibrate": ("Choose the layers --method self skips and store the choice next to the model.",
                       calibrate_args),
+        "train": ("Train a drafter (an EAGLE-3 head) for a target on your own data.", train_args),
         "demo": ("Run the default model pair on a few prompts: plain decoding against each method.", demo_args),
     }
 

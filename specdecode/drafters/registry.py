@@ -17,6 +17,7 @@ from specdecode.errors import InvalidConfigError, VocabularyMismatchError
 if TYPE_CHECKING:
     from specdecode.config import SpecConfig
     from specdecode.drafters.base import Drafter
+    from specdecode.heads.eagle3 import Eagle3Head
     from specdecode.index.datastore import Datastore
     from specdecode.index.history import SuffixHistory
     from specdecode.models.decoder import Decoder
@@ -36,6 +37,7 @@ class DraftResources:
     datastore: Datastore | None  # ``specdecode index build`` output, for ``suffix``
     suffix_history: SuffixHistory  # earlier requests' tokens, shared by every suffix drafter
     self_skip: Callable[[], list[int]]  # the layers ``self`` skips, read on first use
+    eagle_head: Eagle3Head | None = None  # a trained EAGLE-3 head for this target
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class Method:
     help: str
     build: Callable[[DraftResources, int], Drafter | None]  # (resources, capacity in tokens); see build_drafter
     needs_draft_model: bool = False
+    needs: str | None = None  # a DraftResources field that must be set, and how to set it
+    needs_hint: str = ""
 
 
 def _ngram(r: DraftResources, capacity: int) -> Drafter:
@@ -97,6 +101,13 @@ def _combined(r: DraftResources, capacity: int) -> Drafter:
     return CombinedDrafter(_draft_model(r, capacity), min_match=r.spec.combined_min_match, ngram_max=r.spec.ngram_max)
 
 
+def _eagle(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.eagle import EagleDrafter
+
+    return EagleDrafter(r.eagle_head, r.target, capacity, r.spec.draft_confidence, r.spec.head_tree_width,
+                        r.spec.head_tree_depth)
+
+
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("none", "plain decoding", lambda r, capacity: None),
     Method("ngram", "prompt lookup", _ngram),
@@ -109,6 +120,9 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("suffix", "the longest seen suffix's most frequent continuation (prompt, earlier requests, "
                      "--datastore)", _suffix),
     Method("self", "the target drafts with some of its layers skipped (see `specdecode calibrate`)", _self),
+    Method("eagle", "a trained EAGLE-3 head drafts from the target's hidden states (--eagle-head DIR)", _eagle,
+           needs="eagle_head", needs_hint="pass eagle_head= (--eagle-head DIR), a head made by "
+                                          "`specdecode train eagle3` or an EAGLE-3 head for this target"),
 )}
 METHOD_NAMES = tuple(REGISTRY)
 DRAFT_MODEL_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft_model)
@@ -120,6 +134,8 @@ def build_drafter(name: str, resources: DraftResources, capacity: int) -> Drafte
     method = REGISTRY[name]
     if method.needs_draft_model and resources.draft_model is None:
         raise InvalidConfigError(f"method {name!r} needs a draft model: pass draft=")
+    if method.needs is not None and getattr(resources, method.needs) is None:
+        raise InvalidConfigError(f"method {name!r} needs a trained head: {method.needs_hint}")
     return method.build(resources, capacity)
 
 

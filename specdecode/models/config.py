@@ -6,6 +6,7 @@ q/k/v projections carry a bias, the RoPE base, and whether the LM head is tied t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.errors import UnsupportedModelError
+from specdecode.errors import InvalidConfigError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -96,3 +97,13 @@ class ModelConfig:
             have = f"layers 0..{max(found)}" if found else "no layers"
             raise UnsupportedModelError(f"{source} has {have} ({len(found)}) but its config.json says "
                                         f"num_hidden_layers={self.num_layers}; the files do not belong together")
+
+
+def config_fingerprint(model_dir: Path) -> str:
+    """A short hash of a model folder's ``config.json`` bytes: what files derived from a model
+    (a skip choice, a trained head) record, so they are not used with another model."""
+    try:
+        data = (Path(model_dir) / "config.json").read_bytes()
+    except OSError as exc:
+        raise InvalidConfigError(f"cannot read {model_dir}/config.json: {exc.strerror}") from None
+    return hashlib.sha256(data).hexdigest()[:16]

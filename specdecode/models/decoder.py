@@ -193,7 +193,7 @@ class Decoder:
         """
         if self._fused is not None and tree is None and capture is None and tokens.shape[0] <= quant.INT4_MAX_ROWS:
             start = cache.reserve(tokens.shape[0])
-            rows = self._embed(tokens) if isinstance(self.embed, GGUFWeight) else tokens
+            rows = self.embed_tokens(tokens) if isinstance(self.embed, GGUFWeight) else tokens
             return self._fused.forward(rows, cache.k, cache.v, start, last_only)
         return self.forward_batch([(tokens, cache)], last_only, [tree], [capture])[0]
 
@@ -231,7 +231,7 @@ class Decoder:
         # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path.
         # The decode rows of many sequences stay on the invariant kernel however many they are.
         linear = self._linear if len(segments) == 1 else self._linear.rows
-        x = self._embed(tokens)  # [N, D]
+        x = self.embed_tokens(tokens)  # [N, D]
         captures = list(captures or ())
         wanted = {i for c in captures if c is not None for i in c.layers}
         states: dict[int, Tensor] = {}
@@ -249,7 +249,7 @@ class Decoder:
         logits = self._steps.norm_linear(linear, x, self.norm, self.lm_head).float()
         return list(logits.split(1 if last_only else [v.n for v in views]))
 
-    def _embed(self, tokens: Tensor) -> Tensor:
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
         """Embedding rows of ``tokens``: a float table indexed, or a GGUF table's rows decoded."""
         return self.embed.rows(tokens) if isinstance(self.embed, GGUFWeight) else self.embed[tokens]
 

@@ -36,9 +36,9 @@ import torch
 
 from specdecode.config import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidConfigError
-from specdecode.models.config import ModelConfig
+from specdecode.models.config import ModelConfig, config_fingerprint
 from specdecode.models.decoder import Decoder
-from specdecode.drafters.self_spec.layers import SkipChoice, fingerprint
+from specdecode.drafters.self_spec.layers import SkipChoice
 from specdecode.drafters.self_spec.skip import skip_layers
 from specdecode.sample.sampling import greedy
 from specdecode.tokenizer import Tokenizer
@@ -212,7 +212,7 @@ def calibrate(target: Decoder, model_dir: Path, samples: Sequence[Sample], k: in
     choice = SkipChoice(
         skip=chosen.skip, alpha=chosen.alpha, estimated_speedup=chosen.speedup, k=k,
         best_k=best_draft_length(chosen.alpha, cost), draft_cost=cost, num_layers=target.config.num_layers,
-        fingerprint=fingerprint(model_dir), prompts=len(samples),
+        fingerprint=config_fingerprint(model_dir), prompts=len(samples),
         tokens=sum(s.continuation_len for s in samples),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )

@@ -9,7 +9,6 @@ than silently applied to a model it was not measured on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -19,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdecode.errors import InvalidConfigError
-from specdecode.models.config import ModelConfig
+from specdecode.models.config import ModelConfig, config_fingerprint
 
 SKIP_FILE_NAME = "specdecode-self.json"
 SKIP_FILE_FORMAT = 1
@@ -82,15 +81,6 @@ def default_skip(num_layers: int) -> list[int]:
     return sorted({middle[int(i * step + step / 2)] for i in range(count)})
 
 
-def fingerprint(model_dir: Path) -> str:
-    """A short hash of the model folder's ``config.json`` bytes."""
-    try:
-        data = (Path(model_dir) / "config.json").read_bytes()
-    except OSError as exc:
-        raise InvalidConfigError(f"cannot read {model_dir}/config.json: {exc.strerror}") from None
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
 def skip_file(model_dir: Path) -> Path:
     return Path(model_dir) / SKIP_FILE_NAME
 
@@ -134,7 +124,7 @@ def load_skip(model_dir: Path, config: ModelConfig, path: Path | None = None) ->
     except (OSError, ValueError, KeyError, TypeError) as exc:
         warnings.warn(f"{path} is not a valid calibration file ({exc}); {hint}", stacklevel=2)
         return None
-    if stored != fingerprint(model_dir) or layers != config.num_layers:
+    if stored != config_fingerprint(model_dir) or layers != config.num_layers:
         warnings.warn(f"{path} was calibrated for another model (fingerprint {stored}, {layers} layers); {hint}",
                       stacklevel=2)
         return None

@@ -1,0 +1,140 @@
+"""Training an EAGLE-3 head on captured target states (``capture.py``).
+
+- **Vocabulary.** The draft vocabulary is the ``draft_vocab_size`` tokens the target most often
+  predicts (its argmax) on the training positions, ascending, as SpecForge builds ``d2t`` (it
+  counts the data's tokens; the target's choices are what drafts must match).
+- **Start.** ``lm_head`` starts as the target's LM head rows for those tokens and ``norm`` as the
+  target's final norm; ``fc`` starts by passing the highest captured layer through and the
+  layer's output projections at zero, so the untrained head already reads the target's late state
+  through the target's own head ("logit lens"), and training refines that instead of finding it.
+- **Loss.** The training-time test of EAGLE-3 (``Eagle3Head.unrolled_logits``): ``steps`` draft
+  steps, each fed the previous step's output, step j weighted 0.8^j (SpecForge's decay). Each
+  step's target is the target's next-token distribution, restricted to the draft vocabulary and
+  renormalised (the soft cross-entropy, i.e. forward KL up to a constant): forward KL rewards
+  covering the target's likely tokens, which is what the greedy argmax and the sampled acceptance
+  min(p, q) both need. Positions whose target argmax is outside the draft vocabulary are
+  skipped, as in SpecForge: no draft could be accepted there.
+- **Validation.** Teacher-forced acceptance: the share of positions where step j's argmax is the
+  target's, for all steps up to j; and tau = 1 + the expected accepted drafts of a greedy chain of
+  ``steps`` (what one verify step yields), over all response positions.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdecode.heads.eagle3 import Eagle3Config, Eagle3Head
+from specdecode.models.decoder import Decoder
+from specdecode.train.capture import Example
+
+TTT_STEPS = 7  # SpecForge's and EAGLE-3's unroll length
+STEP_DECAY = 0.8
+
+Embed = Callable[[Tensor], Tensor]
+
+
+def draft_vocabulary(examples: Sequence[Example], size: int, vocab_size: int) -> Tensor:
+    """The ``size`` target ids the target most often predicts on training positions, ascending
+    (padded with the lowest unused ids when fewer were seen)."""
+    counts: Counter[int] = Counter()
+    for ex in examples:
+        counts.update(ex.top_ids[ex.loss_mask, 0].tolist())
+    chosen = [token for token, _ in counts.most_common(size)]
+    if len(chosen) < size:
+        seen = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in seen][: size - len(chosen)]
+    return torch.tensor(sorted(chosen))
+
+
+def new_head(target: Decoder, cfg: Eagle3Config, vocabulary: Tensor, seed: int = 0) -> Eagle3Head:
+    """A head for ``target`` over ``vocabulary``, started as the module docstring says."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    head.set_vocabulary(vocabulary)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(weight_rows(target.lm_head, vocabulary))
+        head.norm.weight.copy_(target.norm.float())
+        h, ht = cfg.hidden_size, cfg.target_hidden_size
+        if h == ht:
+            head.fc.weight.zero_()
+            head.fc.weight[:, -ht:] = torch.eye(h)
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+    return head
+
+
+def weight_rows(w: object, ids: Tensor) -> Tensor:
+    """Float rows ``ids`` of a weight in any of the decoder's forms (float, int8 rows, GGUF)."""
+    from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
+
+    if isinstance(w, Tensor):
+        return w[ids].float()
+    if isinstance(w, GGUFLinear) and len(w.parts) == 1:
+        w = w.parts[0]
+    if isinstance(w, GGUFWeight):
+        return w.rows(ids)
+    return w.dequantize()[ids].float()
+
+
+def _targets(head: Eagle3Head, ex: Example, rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+    """For positions ``rows``: the draft ids of the target's top tokens (-1 outside the draft
+    vocabulary), their renormalised probabilities, and whether the row is trained on."""
+    index = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
+    index[head.target_ids] = torch.arange(head.config.draft_vocab_size)
+    ids = index[ex.top_ids[rows]]
+    logp = ex.top_logp[rows].float().masked_fill(ids < 0, -torch.inf)
+    probs = torch.softmax(logp, dim=-1).nan_to_num(0.0)
+    trained = ex.loss_mask[rows] & (ids[:, 0] >= 0)
+    return ids.clamp_min(0), probs, trained
+
+
+def unrolled(head: Eagle3Head, ex: Example, embed: Embed, steps: int) -> tuple[list[Tensor], int]:
+    """Each step's logits over the rows that have a target for every step, and the row count."""
+    t = len(ex) - steps
+    with torch.no_grad():
+        embeds = embed(ex.tokens[1 : t + steps]).float()
+    return head.unrolled_logits(ex.states[:t].float(), embeds, steps), t
+
+
+def loss(head: Eagle3Head, ex: Example, embed: Embed, steps: int = TTT_STEPS) -> Tensor:
+    """The weighted soft cross-entropy of the unrolled steps (a scalar; 0 for a short example)."""
+    if len(ex) <= steps:
+        return torch.zeros((), requires_grad=True)
+    logits, t = unrolled(head, ex, embed, steps)
+    total = torch.zeros(())
+    weights = 0.0
+    for j, step in enumerate(logits):
+        ids, probs, trained = _targets(head, ex, slice(j + 1, j + 1 + t))
+        if not trained.any():
+            continue
+        logq = torch.log_softmax(step[trained], dim=-1).gather(1, ids[trained])
+        total = total + STEP_DECAY**j * -(probs[trained] * logq).sum(-1).mean()
+        weights += STEP_DECAY**j
+    return total / weights if weights else total.requires_grad_()
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, examples: Sequence[Example], embed: Embed, steps: int = TTT_STEPS) -> dict:
+    """Teacher-forced acceptance on held-out examples: ``accept`` [steps] (the share of response
+    positions where every step up to j drafts the target's argmax) and ``tau``."""
+    hits = torch.zeros(steps)
+    positions = 0
+    for ex in examples:
+        if len(ex) <= steps:
+            continue
+        logits, t = unrolled(head, ex, embed, steps)
+        rows = ex.loss_mask[1 : 1 + t]
+        alive = torch.ones(t, dtype=torch.bool)
+        for j, step in enumerate(logits):
+            guess = head.target_ids[step.argmax(-1)]
+            alive &= guess == ex.top_ids[j + 1 : j + 1 + t, 0]
+            hits[j] += int((alive & rows).sum())
+        positions += int(rows.sum())
+    accept = hits / max(positions, 1)
+    return {"accept": [round(float(a), 4) for a in accept], "tau": round(1.0 + float(accept.sum()), 3),
+            "positions": positions}
