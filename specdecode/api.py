@@ -28,6 +28,7 @@ from specdecode.models import quant
 from specdecode.models.decoder import Decoder
 from specdecode.drafters.self_spec.layers import default_skip, load_skip
 from specdecode.heads.eagle3_format import load_head_for
+from specdecode.heads.medusa_format import load_medusa_for
 from specdecode.tokenizer import Tokenizer
 
 class LLM:
@@ -44,6 +45,7 @@ class LLM:
         draft_quantize: str | None = DEFAULT_DRAFT_QUANTIZE,
         datastore: str | None = None,
         eagle_head: str | Path | None = None,
+        medusa_heads: str | Path | None = None,
         progress: bool = True,
         **spec: Any,
     ) -> None:
@@ -58,6 +60,8 @@ class LLM:
         also drafts from each prompt and from earlier requests without one.
         ``eagle_head``: a folder holding an EAGLE-3 head for this target (SpecForge or vLLM
         speculators layout), for ``method="eagle"``; checked against the target when loaded.
+        ``medusa_heads``: a folder of Medusa heads for this target (vLLM's layout, or
+        FasterDecoding's), for ``method="medusa"``.
         ``quantize``: how the *target* runs. "native" (the default for a model converted from
         GGUF, every catalog model) runs the GGUF's quantized weights as shipped through integer
         kernels, activations quantized per row; "none" (the default otherwise) runs float weights
@@ -106,9 +110,11 @@ class LLM:
         self._drafters: dict[str, Drafter] = {}
         self.suffix_history = SuffixHistory()  # earlier requests' tokens, shared by suffix drafters
         self.eagle_head = load_head_for(eagle_head, self.target.config, path) if eagle_head is not None else None
+        self.medusa_heads = (load_medusa_for(medusa_heads, self.target.config, path)
+                             if medusa_heads is not None else None)
         self.resources = DraftResources(self.spec, self.target, self.tokenizer, self.draft_model,
                                         self.draft_tokenizer, draft, self.datastore, self.suffix_history,
-                                        lambda: self.self_skip, self.eagle_head)
+                                        lambda: self.self_skip, self.eagle_head, self.medusa_heads)
 
     def _foreign_tokenizer(self, draft: str, draft_path: Path) -> Tokenizer | None:
         """The draft's tokenizer when its drafts must be translated through text (another

@@ -174,13 +174,14 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     """A sharp tiny target and a head trained on its greedy output: its drafts are often, not
     always, accepted, so sampling runs both the accept and the reject paths."""
     from specdecode.train import eagle3, loop
+    from specdecode.train.capture import draft_vocabulary
 
     root = tmp_path_factory.mktemp("trained")
     target = sharp_target(root / "target")
     llm = LLM(model=str(target), max_seq_len=300, progress=False)
     cfg = Eagle3Config.for_target(llm.target.config, draft_vocab_size=DRAFT_VOCAB, intermediate_size=96)
     examples = greedy_examples(llm, cfg.hidden_layers, 60)
-    head = eagle3.new_head(llm.target, cfg, eagle3.draft_vocabulary(examples, DRAFT_VOCAB, cfg.vocab_size))
+    head = eagle3.new_head(llm.target, cfg, draft_vocabulary(examples, DRAFT_VOCAB, cfg.vocab_size))
     embed = llm.target.embed_tokens
     loop.run(head, examples, lambda ex: eagle3.loss(head, ex, embed, 3), dict, root / "run",
              loop.LoopConfig(lr=1e-3, max_steps=150, eval_every=1000), progress=False)
@@ -224,3 +225,20 @@ def test_missing_or_damaged_head_is_a_named_error(target_dir, head_dir, tmp_path
     save_file(weights, str(broken / "model.safetensors"))
     with pytest.raises(CheckpointError, match="fc.weight"):
         load_eagle3(broken)
+
+
+@pytest.mark.parametrize("tree_width", [0, 3], ids=["chain", "tree"])
+def test_batched_requests_get_their_solo_output(llms, tree_width):
+    """In the server's scheduler each request's drafter receives its own rows of the shared
+    verify forward's hidden states."""
+    from specdecode.server.scheduler import Scheduler
+    from tests.conftest import spec_k
+    from tests.test_scheduler import _prompts, _run_concurrently
+
+    llm = llms[tree_width]
+    prompts = _prompts(llm, 5)
+    params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(5)]
+    solo = [llm.engine.generate(p, q, llm.drafter("eagle"), spec_k(4)) for p, q in zip(prompts, params)]
+    results = _run_concurrently(Scheduler(llm, method="eagle", k=4, max_concurrency=3, max_queue=8), prompts, params)
+    assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
+    assert sum(out.stats.draft_tokens for _, out in results) > 0

@@ -17,7 +17,7 @@ from specdecode.errors import CheckpointError, InvalidConfigError
 from specdecode.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdecode.heads.eagle3_format import load_eagle3
 from specdecode.train import eagle3, loop
-from specdecode.train.capture import Example, TrainingSequence, capture
+from specdecode.train.capture import Example, TrainingSequence, capture, draft_vocabulary
 from specdecode.train.loop import LoopConfig
 from tests.conftest import make_tiny_llm
 from tests.test_lossless import _greedy, _prompt
@@ -78,7 +78,7 @@ def test_capture_keeps_states_distribution_and_mask(llm, head_config):
 def test_training_lowers_the_loss_and_raises_acceptance(llm, head_config, examples, tmp_path):
     train, val = examples[:180], examples[180:]
     embed = llm.target.embed_tokens
-    vocabulary = eagle3.draft_vocabulary(train, head_config.draft_vocab_size, head_config.vocab_size)
+    vocabulary = draft_vocabulary(train, head_config.draft_vocab_size, head_config.vocab_size)
     torch.manual_seed(0)
     untrained = Eagle3Head(head_config)
     untrained.set_vocabulary(vocabulary)
@@ -104,7 +104,7 @@ def test_resume_after_a_kill_continues_from_the_last_checkpoint(llm, head_config
     """A run killed at step 9 resumes from its checkpoint and ends with the weights of a run
     that was never interrupted."""
     train, embed = examples[:20], llm.target.embed_tokens
-    vocabulary = eagle3.draft_vocabulary(train, head_config.draft_vocab_size, head_config.vocab_size)
+    vocabulary = draft_vocabulary(train, head_config.draft_vocab_size, head_config.vocab_size)
     whole = eagle3.new_head(llm.target, head_config, vocabulary)
     _run(tmp_path / "whole", train, whole, embed, 12)
 
@@ -133,7 +133,7 @@ def test_resume_after_a_kill_continues_from_the_last_checkpoint(llm, head_config
 def test_a_kill_while_writing_a_checkpoint_keeps_the_last_good_one(llm, head_config, examples, tmp_path,
                                                                    monkeypatch):
     train, embed = examples[:5], llm.target.embed_tokens
-    vocabulary = eagle3.draft_vocabulary(train, head_config.draft_vocab_size, head_config.vocab_size)
+    vocabulary = draft_vocabulary(train, head_config.draft_vocab_size, head_config.vocab_size)
     head = eagle3.new_head(llm.target, head_config, vocabulary)
     _run(tmp_path, train, head, embed, 3)
     saved = torch.load(tmp_path / loop.CHECKPOINT_DIR / loop.STATE_FILE, weights_only=True)

@@ -61,7 +61,7 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
 
 def add_method_options(p: argparse.ArgumentParser) -> None:
     """Options of the methods that need no draft model: suffix's datastore, lookahead's window,
-    eagle's head."""
+    the trained heads of eagle and medusa."""
     p.add_argument("--datastore", default=None, metavar="STORE",
                    help="--method suffix: also draft from this datastore (made by `specdecode index "
                         "build`); without it suffix drafts from the prompt and earlier requests")
@@ -75,8 +75,11 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-head", default=None, metavar="DIR",
                    help="--method eagle: an EAGLE-3 head for the target (SpecForge or vLLM speculators "
                         "layout), e.g. one made by `specdecode train eagle3`")
+    p.add_argument("--medusa-heads", default=None, metavar="DIR",
+                   help="--method medusa: Medusa heads for the target (vLLM's or FasterDecoding's layout), "
+                        "e.g. made by `specdecode train medusa`")
     p.add_argument("--head-tree-width", type=int, default=0, metavar="W",
-                   help="--method eagle: 0 drafts a chain; W > 0 drafts a token tree of at most K nodes, "
+                   help="--method eagle and medusa: 0 drafts a chain; W > 0 drafts a token tree of at most K nodes, "
                         "expanding the W most probable paths by their W most probable tokens (default: "
                         "%(default)s)")
 
@@ -87,8 +90,11 @@ def method_options(args: argparse.Namespace, methods: Sequence[str]) -> dict[str
     if args.datastore and "suffix" not in methods:
         print("specdecode: note: --datastore is used by --method suffix only; it is ignored here",
               file=sys.stderr)
-    if args.eagle_head and "eagle" not in methods:
-        print("specdecode: note: --eagle-head is used by --method eagle only; it is ignored here", file=sys.stderr)
+    for flag, method in (("eagle_head", "eagle"), ("medusa_heads", "medusa")):
+        if getattr(args, flag) and method not in methods:
+            print(f"specdecode: note: --{flag.replace('_', '-')} is used by --method {method} only; it is ignored "
+                  "here", file=sys.stderr)
     return dict(datastore=args.datastore, lookahead_window=args.lookahead_window,
                 lookahead_ngram=args.lookahead_ngram, lookahead_candidates=args.lookahead_candidates,
-                eagle_head=args.eagle_head if "eagle" in methods else None, head_tree_width=args.head_tree_width)
+                eagle_head=args.eagle_head if "eagle" in methods else None,
+                medusa_heads=args.medusa_heads if "medusa" in methods else None, head_tree_width=args.head_tree_width)

@@ -1,4 +1,4 @@
-"""``specdecode train eagle3``: train a drafter for a target on the user's own data.
+"""``specdecode train eagle3|medusa``: train a drafter for a target on the user's own data.
 
 Every trainer shares its data, budget and checkpoint flags (``_common``); see ``train/jobs.py``
 for what the output folder holds.
@@ -33,6 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="folder layout: SpecForge/EAGLE (SGLang, vLLM) or vLLM's speculators "
                             "(default: %(default)s); specdecode loads both")
     eagle.set_defaults(run=run_eagle3)
+    medusa = sub.add_parser("medusa", help="Medusa heads on the target's last hidden state (--method medusa)",
+                            description="Train Medusa-1 heads (residual blocks on the target's final hidden state, "
+                                        "head k guessing the token k + 2 ahead), saved in vLLM's Medusa layout.")
+    _common(medusa)
+    medusa.add_argument("--num-heads", type=int, default=4, metavar="N",
+                        help="heads, the most tokens drafted per step (default: %(default)s)")
+    medusa.add_argument("--num-layers", type=int, default=1, metavar="N",
+                        help="residual blocks per head (default: %(default)s)")
+    medusa.add_argument("--vocab-size", type=int, default=32000, metavar="N",
+                        help="tokens the heads predict: the N the target predicts most on the data (vLLM's "
+                             "truncated_vocab_size; default: %(default)s)")
+    medusa.set_defaults(run=run_medusa)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -100,6 +112,19 @@ def run_eagle3(args: argparse.Namespace) -> int:
         raise InvalidConfigError(f"--intermediate-size must be at least 1, got {args.intermediate_size}")
     state = train_eagle3(_options(args), draft_vocab_size=args.draft_vocab_size,
                          intermediate_size=args.intermediate_size, ttt_steps=args.ttt_steps, layout=args.format)
+    last = state.history[-1]
+    print(f"wrote {args.out}: {state.step} steps, validation tau {last.get('tau')}, "
+          f"acceptance by position {last.get('accept')}")
+    return 0
+
+
+def run_medusa(args: argparse.Namespace) -> int:
+    from specdecode.train.jobs import train_medusa
+
+    if min(args.num_heads, args.num_layers, args.vocab_size) < 1:
+        raise InvalidConfigError("--num-heads, --num-layers and --vocab-size must be at least 1")
+    state = train_medusa(_options(args), num_heads=args.num_heads, num_layers=args.num_layers,
+                         vocab_size=args.vocab_size)
     last = state.history[-1]
     print(f"wrote {args.out}: {state.step} steps, validation tau {last.get('tau')}, "
           f"acceptance by position {last.get('accept')}")

@@ -90,6 +90,19 @@ class DraftProposal:
 EMPTY_PROPOSAL = DraftProposal(torch.empty(0, dtype=torch.long), None)
 
 
+def most_probable_tree(tokens: list[int], parents: list[int], scores: list[float], k: int) -> DraftProposal:
+    """The ``k`` candidates of highest path log-probability ``scores`` as a tree proposal.
+
+    Candidates are listed parents first (``parents[i]`` < i, -1 for the root's children). A
+    child's path is never more probable than its parent's, and ties go to the earlier candidate,
+    so the kept set holds every kept candidate's parent.
+    """
+    keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:k])
+    index = {node: j for j, node in enumerate(keep)}
+    return DraftProposal(torch.tensor([tokens[i] for i in keep], dtype=torch.long), None,
+                         tuple(-1 if parents[i] < 0 else index[parents[i]] for i in keep))
+
+
 class Drafter(ABC):
     """Base of every drafter. The engine calls each hook at its moment, unconditionally; the
     defaults do nothing, so a drafter overrides only what it uses.

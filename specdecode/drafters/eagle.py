@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import DraftProposal, Drafter, SequenceState, most_probable_tree
 from specdecode.heads.eagle3 import Eagle3Head, attention
 from specdecode.models.decoder import Decoder
 from specdecode.sample.sampling import logits_to_probs, sample
@@ -51,8 +51,8 @@ class EagleDrafter(Drafter):
         self.tree_width, self.tree_depth = tree_width, tree_depth
         self.adapts_length = tree_width == 0  # a tree's size is K; its depth is its own
         room = capacity + max(tree_depth * max(tree_width, 1), 64)  # draft rows beyond the sequence
-        self.k = torch.zeros(room, cfg.num_kv_heads, cfg.head_dim)
-        self.v = torch.zeros(room, cfg.num_kv_heads, cfg.head_dim)
+        self.keys = torch.zeros(room, cfg.num_kv_heads, cfg.head_dim)  # the head's own KV cache
+        self.values = torch.zeros(room, cfg.num_kv_heads, cfg.head_dim)
         self.length = 0  # committed positions whose head rows are cached
         self.pending: list[Tensor] = []  # target states not yet run through the head
         self.target_ids = head.target_ids
@@ -96,13 +96,13 @@ class EagleDrafter(Drafter):
         end = slot + n
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            self.k[slot:end], self.v[slot:end] = k, v
+            self.keys[slot:end], self.values[slot:end] = k, v
             mask = torch.ones(n, end, dtype=torch.bool)
             if sees is None:
                 mask = mask.tril(diagonal=slot)
             else:
                 mask[:, self.length :] = sees
-            return attention(q, self.k[:end], self.v[:end], mask)
+            return attention(q, self.keys[:end], self.values[:end], mask)
 
         return self.head.layer(feature, self.embed(tokens), positions, attend)
 
@@ -171,9 +171,4 @@ class EagleDrafter(Drafter):
             positions = torch.full((len(chosen),), self.length + depth)
             outputs = self._rows(feature, torch.tensor([tokens[i] for i in chosen]), slot, positions, sees)
             frontier = chosen
-        # The k best paths. A child's path is never more probable than its parent's (and ties go
-        # to the earlier node), so the kept set holds every kept node's parent.
-        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:k])
-        index = {node: j for j, node in enumerate(keep)}
-        return DraftProposal(torch.tensor([tokens[i] for i in keep]), None,
-                             tuple(-1 if parents[i] < 0 else index[parents[i]] for i in keep))
+        return most_probable_tree(tokens, parents, scores, k)

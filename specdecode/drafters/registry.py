@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from specdecode.config import SpecConfig
     from specdecode.drafters.base import Drafter
     from specdecode.heads.eagle3 import Eagle3Head
+    from specdecode.heads.medusa import MedusaHeads
     from specdecode.index.datastore import Datastore
     from specdecode.index.history import SuffixHistory
     from specdecode.models.decoder import Decoder
@@ -38,6 +39,7 @@ class DraftResources:
     suffix_history: SuffixHistory  # earlier requests' tokens, shared by every suffix drafter
     self_skip: Callable[[], list[int]]  # the layers ``self`` skips, read on first use
     eagle_head: Eagle3Head | None = None  # a trained EAGLE-3 head for this target
+    medusa_heads: MedusaHeads | None = None  # trained Medusa heads for this target
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,12 @@ def _eagle(r: DraftResources, capacity: int) -> Drafter:
                         r.spec.head_tree_depth)
 
 
+def _medusa(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.medusa import MedusaDrafter
+
+    return MedusaDrafter(r.medusa_heads, r.target, r.spec.draft_confidence, r.spec.head_tree_width)
+
+
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("none", "plain decoding", lambda r, capacity: None),
     Method("ngram", "prompt lookup", _ngram),
@@ -123,6 +131,10 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("eagle", "a trained EAGLE-3 head drafts from the target's hidden states (--eagle-head DIR)", _eagle,
            needs="eagle_head", needs_hint="pass eagle_head= (--eagle-head DIR), a head made by "
                                           "`specdecode train eagle3` or an EAGLE-3 head for this target"),
+    Method("medusa", "trained Medusa heads guess the next tokens from the target's last hidden state "
+                     "(--medusa-heads DIR)", _medusa,
+           needs="medusa_heads", needs_hint="pass medusa_heads= (--medusa-heads DIR), heads made by "
+                                            "`specdecode train medusa` or Medusa heads for this target"),
 )}
 METHOD_NAMES = tuple(REGISTRY)
 DRAFT_MODEL_METHODS = tuple(name for name, m in REGISTRY.items() if m.needs_draft_model)

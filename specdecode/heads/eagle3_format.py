@@ -15,21 +15,17 @@ the config records the target's name and fingerprint and our layer indices, and 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from specdecode.errors import CheckpointError, HeadMismatchError, UnsupportedModelError
 from specdecode.heads.eagle3 import Eagle3Config, Eagle3Head, default_hidden_layers
-from specdecode.heads.folders import write_files
+from specdecode.heads.folders import read_config, read_weights, write_head
 from specdecode.models.config import ModelConfig, config_fingerprint
 
 LAYOUTS = ("specforge", "speculators")
-WEIGHTS_NAME = "model.safetensors"
 SPECFORGE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 # Variants of the layer some engines add; a head that uses any of them is refused, not misread.
@@ -77,18 +73,14 @@ def save_eagle3(head: Eagle3Head, out: Path, layout: str = "specforge", *, targe
         }
     config["specdecode"] = ours
 
-    writers = {WEIGHTS_NAME: lambda path: save_file(weights, str(path), metadata={"format": "pt"}),
-               "config.json": lambda path: path.write_text(json.dumps(config, indent=2) + "\n")}
-    if readme is not None:
-        writers["README.md"] = lambda path: path.write_text(readme)
-    return write_files(Path(out), writers)
+    return write_head(Path(out), weights, config, readme)
 
 
 def load_eagle3(folder: Path) -> tuple[Eagle3Head, dict[str, Any]]:
     """The head in ``folder`` (either layout) and its ``specdecode`` record ({} for a head made
     elsewhere). Raises ``CheckpointError`` for a missing or unreadable folder."""
     folder = Path(folder)
-    config = _read_config(folder)
+    config = read_config(folder)
     ours = config.get("specdecode") or {}
     if "speculators_config" in config:
         if config.get("speculators_model_type") != "eagle3":
@@ -133,7 +125,7 @@ def load_eagle3(folder: Path) -> tuple[Eagle3Head, dict[str, Any]]:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{folder}/config.json does not describe an EAGLE-3 head: {exc}") from None
-    weights = _read_weights(folder)
+    weights = read_weights(folder)
     state = {k.replace(prefix, "midlayer.", 1): v for k, v in weights.items() if not k.startswith("embed_tokens.")}
     head = Eagle3Head(cfg)
     if "t2d" not in state and "d2t" in state:  # vLLM does not need t2d; rebuild it from d2t
@@ -144,7 +136,7 @@ def load_eagle3(folder: Path) -> tuple[Eagle3Head, dict[str, Any]]:
     missing, unexpected = head.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                 for k, v in state.items()}, strict=False)
     if missing or unexpected:
-        raise CheckpointError(f"{folder}/{WEIGHTS_NAME}: missing {sorted(missing)[:4]}, "
+        raise CheckpointError(f"{folder}/model.safetensors: missing {sorted(missing)[:4]}, "
                               f"unexpected {sorted(unexpected)[:4]}; is it an EAGLE-3 head?")
     return head, ours
 
@@ -202,28 +194,3 @@ def _llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
         "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
     }
-
-
-def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
-    if not folder.is_dir():
-        raise CheckpointError(f"no head folder at {folder}")
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder} has no config.json; is it a head folder?") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder} has no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            weights.update(load_file(str(path)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {path} (damaged or incomplete?): {exc}") from None
-    return weights

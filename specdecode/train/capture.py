@@ -14,6 +14,7 @@ run time, in the prefill chunks ``Generation`` uses.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,3 +84,45 @@ def load_examples(path: Path) -> list[Example]:
     tensors = load_file(str(path))
     count = len({key.split(".", 1)[0] for key in tensors})
     return [Example(**{name: tensors[f"{i}.{name}"] for name in Example.__slots__}) for i in range(count)]
+
+
+def draft_vocabulary(examples: Sequence[Example], size: int, vocab_size: int) -> Tensor:
+    """The ``size`` target ids the target most often predicts on training positions, ascending
+    (padded with the lowest unused ids when fewer were seen)."""
+    counts: Counter[int] = Counter()
+    for ex in examples:
+        counts.update(ex.top_ids[ex.loss_mask, 0].tolist())
+    chosen = [token for token, _ in counts.most_common(size)]
+    if len(chosen) < size:
+        seen = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in seen][: size - len(chosen)]
+    return torch.tensor(sorted(chosen))
+
+
+def soft_targets(target_ids: Tensor, vocab_size: int, ex: Example, rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+    """What a drafter over the draft vocabulary ``target_ids`` learns at positions ``rows``: the
+    draft ids of the target's top tokens (0 where outside the draft vocabulary, with probability
+    0), their probabilities renormalised over the draft vocabulary, and whether the row is
+    trained on (a response position whose target argmax a draft could match)."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[target_ids] = torch.arange(target_ids.shape[0])
+    ids = index[ex.top_ids[rows]]
+    logp = ex.top_logp[rows].float().masked_fill(ids < 0, -torch.inf)
+    probs = torch.softmax(logp, dim=-1).nan_to_num(0.0)
+    trained = ex.loss_mask[rows] & (ids[:, 0] >= 0)
+    return ids.clamp_min(0), probs, trained
+
+
+def lm_head_rows(target: Decoder, ids: Tensor) -> Tensor:
+    """Float rows ``ids`` of the target's LM head, whatever its form (float, int8 rows, GGUF):
+    where heads start their own LM heads."""
+    from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
+
+    w = target.lm_head
+    if isinstance(w, Tensor):
+        return w[ids].float()
+    if isinstance(w, GGUFLinear) and len(w.parts) == 1:
+        w = w.parts[0]
+    if isinstance(w, GGUFWeight):
+        return w.rows(ids)
+    return w.dequantize()[ids].float()

@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,25 +29,12 @@ from torch import Tensor
 
 from specdecode.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdecode.models.decoder import Decoder
-from specdecode.train.capture import Example
+from specdecode.train.capture import Example, lm_head_rows, soft_targets
 
 TTT_STEPS = 7  # SpecForge's and EAGLE-3's unroll length
 STEP_DECAY = 0.8
 
 Embed = Callable[[Tensor], Tensor]
-
-
-def draft_vocabulary(examples: Sequence[Example], size: int, vocab_size: int) -> Tensor:
-    """The ``size`` target ids the target most often predicts on training positions, ascending
-    (padded with the lowest unused ids when fewer were seen)."""
-    counts: Counter[int] = Counter()
-    for ex in examples:
-        counts.update(ex.top_ids[ex.loss_mask, 0].tolist())
-    chosen = [token for token, _ in counts.most_common(size)]
-    if len(chosen) < size:
-        seen = set(chosen)
-        chosen += [t for t in range(vocab_size) if t not in seen][: size - len(chosen)]
-    return torch.tensor(sorted(chosen))
 
 
 def new_head(target: Decoder, cfg: Eagle3Config, vocabulary: Tensor, seed: int = 0) -> Eagle3Head:
@@ -57,7 +43,7 @@ def new_head(target: Decoder, cfg: Eagle3Config, vocabulary: Tensor, seed: int =
     head = Eagle3Head(cfg)
     head.set_vocabulary(vocabulary)
     with torch.no_grad():
-        head.lm_head.weight.copy_(weight_rows(target.lm_head, vocabulary))
+        head.lm_head.weight.copy_(lm_head_rows(target, vocabulary))
         head.norm.weight.copy_(target.norm.float())
         h, ht = cfg.hidden_size, cfg.target_hidden_size
         if h == ht:
@@ -66,31 +52,6 @@ def new_head(target: Decoder, cfg: Eagle3Config, vocabulary: Tensor, seed: int =
         head.midlayer.self_attn.o_proj.weight.zero_()
         head.midlayer.mlp.down_proj.weight.zero_()
     return head
-
-
-def weight_rows(w: object, ids: Tensor) -> Tensor:
-    """Float rows ``ids`` of a weight in any of the decoder's forms (float, int8 rows, GGUF)."""
-    from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
-
-    if isinstance(w, Tensor):
-        return w[ids].float()
-    if isinstance(w, GGUFLinear) and len(w.parts) == 1:
-        w = w.parts[0]
-    if isinstance(w, GGUFWeight):
-        return w.rows(ids)
-    return w.dequantize()[ids].float()
-
-
-def _targets(head: Eagle3Head, ex: Example, rows: slice) -> tuple[Tensor, Tensor, Tensor]:
-    """For positions ``rows``: the draft ids of the target's top tokens (-1 outside the draft
-    vocabulary), their renormalised probabilities, and whether the row is trained on."""
-    index = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
-    index[head.target_ids] = torch.arange(head.config.draft_vocab_size)
-    ids = index[ex.top_ids[rows]]
-    logp = ex.top_logp[rows].float().masked_fill(ids < 0, -torch.inf)
-    probs = torch.softmax(logp, dim=-1).nan_to_num(0.0)
-    trained = ex.loss_mask[rows] & (ids[:, 0] >= 0)
-    return ids.clamp_min(0), probs, trained
 
 
 def unrolled(head: Eagle3Head, ex: Example, embed: Embed, steps: int) -> tuple[list[Tensor], int]:
@@ -109,7 +70,7 @@ def loss(head: Eagle3Head, ex: Example, embed: Embed, steps: int = TTT_STEPS) ->
     total = torch.zeros(())
     weights = 0.0
     for j, step in enumerate(logits):
-        ids, probs, trained = _targets(head, ex, slice(j + 1, j + 1 + t))
+        ids, probs, trained = soft_targets(head.target_ids, head.config.vocab_size, ex, slice(j + 1, j + 1 + t))
         if not trained.any():
             continue
         logq = torch.log_softmax(step[trained], dim=-1).gather(1, ids[trained])

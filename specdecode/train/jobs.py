@@ -1,6 +1,6 @@
-"""``specdecode train ...`` end to end: data, capture, training, the head folder and its card.
+"""``specdecode train eagle3|medusa`` end to end: data, capture, training, the head folder and its card.
 
-The output folder is the head (loadable by ``--eagle-head DIR``) and the run's workspace: the
+The output folder is the head (loadable by ``--eagle-head DIR`` or ``--medusa-heads DIR``) and the run's workspace: the
 captured examples (``.capture/``, reused by ``--resume`` when the data and target are unchanged),
 the last checkpoint (``checkpoint/``) and the metrics (``train.json``). The head files are
 rewritten at every checkpoint, so an interrupted run leaves a usable head.
@@ -22,8 +22,10 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.errors import InvalidConfigError
-from specdecode.models.config import config_fingerprint
-from specdecode.train.capture import Example, TrainingSequence, capture, load_examples, save_examples
+from specdecode.api import LLM
+from specdecode.models.config import ModelConfig, config_fingerprint
+from specdecode.train.capture import (Example, TrainingSequence, capture, draft_vocabulary, load_examples,
+                                      save_examples)
 from specdecode.train.data import DataConfig, load_sequences
 from specdecode.train.loop import LoopConfig, LoopState
 
@@ -53,11 +55,11 @@ def check_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def prepare(opts: TrainOptions, layers_for: Callable[[object], Sequence[int]]):
-    """Load the target, read the data and capture it (or reuse the capture). Returns the LLM,
-    the train and validation examples, and a description of the data for the card."""
-    from specdecode.api import LLM
-
+def prepare(opts: TrainOptions, layers_for: Callable[[ModelConfig], Sequence[int]]
+            ) -> tuple[LLM, list[Example], list[Example], dict]:
+    """Load the target, read the data and capture the states of ``layers_for(target config)``
+    (or reuse that capture). Returns the LLM, the train and validation examples, and a
+    description of the data for the card."""
     if opts.out.exists() and not opts.out.is_dir():
         raise InvalidConfigError(f"--out {opts.out} is a file; give a folder")
     if not opts.resume and (opts.out / "checkpoint").exists():
@@ -104,16 +106,13 @@ def _capture_all(target, seqs: list[TrainingSequence], layers: Sequence[int], fo
     total = sum(len(s.token_ids) for s in seqs)
     with tqdm(total=total, desc="capturing target states", unit="tok", file=sys.stderr, disable=not progress) as bar:
         for i in range(0, len(seqs), SHARD):
-            shard = [capture(target, s, layers) for s in _each(seqs[i : i + SHARD], bar)]
+            shard = []
+            for seq in seqs[i : i + SHARD]:
+                shard.append(capture(target, seq, layers))
+                bar.update(len(seq.token_ids))
             save_examples(shard, folder / f"shard-{i // SHARD:05d}.safetensors")
             examples.extend(shard)
     return examples
-
-
-def _each(seqs: list[TrainingSequence], bar):
-    for s in seqs:
-        yield s
-        bar.update(len(s.token_ids))
 
 
 def train_eagle3(opts: TrainOptions, *, draft_vocab_size: int, intermediate_size: int | None, ttt_steps: int,
@@ -127,7 +126,7 @@ def train_eagle3(opts: TrainOptions, *, draft_vocab_size: int, intermediate_size
     llm, train, val, data = prepare(opts, lambda cfg: default_hidden_layers(cfg.num_layers))
     target = llm.target
     cfg = Eagle3Config.for_target(target.config, draft_vocab_size, intermediate_size)
-    vocabulary = eagle3.draft_vocabulary(train, cfg.draft_vocab_size, cfg.vocab_size)
+    vocabulary = draft_vocabulary(train, cfg.draft_vocab_size, cfg.vocab_size)
     head = eagle3.new_head(target, cfg, vocabulary, opts.loop.seed).to(device)
 
     def embed(tokens: torch.Tensor) -> torch.Tensor:
@@ -150,6 +149,38 @@ def train_eagle3(opts: TrainOptions, *, draft_vocab_size: int, intermediate_size
                      lambda: eagle3.evaluate(head, [_to(ex, device) for ex in val], embed, ttt_steps),
                      opts.out, opts.loop, resume=opts.resume, on_checkpoint=save, progress=opts.progress)
     return state
+
+
+def train_medusa(opts: TrainOptions, *, num_heads: int, num_layers: int, vocab_size: int) -> LoopState:
+    """Train Medusa heads for ``opts.model`` into ``opts.out``."""
+    from specdecode.heads.medusa import MedusaConfig
+    from specdecode.heads.medusa_format import save_medusa
+    from specdecode.train import loop, medusa
+
+    device = check_device(opts.device)
+    llm, train, val, data = prepare(opts, lambda cfg: (cfg.num_layers,))
+    target = llm.target
+    truncated = min(vocab_size, target.config.vocab_size)
+    cfg = MedusaConfig(target.config.hidden_size, target.config.vocab_size, num_heads, num_layers,
+                       None if truncated == target.config.vocab_size else truncated)
+    heads = medusa.new_heads(target, cfg, draft_vocabulary(train, cfg.draft_vocab_size, cfg.vocab_size),
+                             opts.loop.seed).to(device)
+    norm = medusa.TargetNorm(target)
+    started = time.time()
+    fingerprint = config_fingerprint(llm.model_dir)
+
+    def save(state: LoopState) -> None:
+        record = _record(opts, data, state, started, {"num_heads": num_heads, "num_layers": num_layers,
+                                                      "truncated_vocab_size": cfg.draft_vocab_size})
+        save_medusa(heads.cpu() if device.type != "cpu" else heads, opts.out, target_name=llm.model_name,
+                    target_fingerprint=fingerprint, extra={"training": record},
+                    readme=_card("Medusa heads", "--medusa-heads", opts, record))
+        heads.to(device)
+        (opts.out / "train.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    return loop.run(heads, train, lambda ex: medusa.loss(heads, _to(ex, device), norm),
+                    lambda: medusa.evaluate(heads, [_to(ex, device) for ex in val], norm),
+                    opts.out, opts.loop, resume=opts.resume, on_checkpoint=save, progress=opts.progress)
 
 
 def _to(ex: Example, device: torch.device) -> Example:
