@@ -41,7 +41,7 @@ def test_per_call_overrides_are_validated_and_used(llm) -> None:
     with pytest.raises(InvalidConfigError, match="num_speculative_tokens"):
         llm.generate("hello", PARAMS, num_speculative_tokens=99)
     with pytest.raises(InvalidConfigError, match="unknown method"):
-        llm.events("hello", PARAMS, method="medusa")
+        llm.events("hello", PARAMS, method="bogus")
     assert llm.spec.num_speculative_tokens == 3 and llm.spec.adaptive  # the defaults are untouched
 
 

@@ -397,7 +397,7 @@ def test_bench_endpoint_cli(sse_server, tmp_path):
     (["--workload", "nope"], "unknown workload 'nope'"),
     (["--dataset", "/nonexistent/question.jsonl"], "--dataset file not found"),
     (["--workload", "code", "--sweep-k", "1,x"], "--sweep-k"),
-    (["--workload", "code", "--methods", "none,medusa"], "unknown method 'medusa'"),
+    (["--workload", "code", "--methods", "none,bogus"], "unknown method 'bogus'"),
     (["--workload", "code", "--repeat", "0"], "--repeat"),
     (["--workload", "code", "--endpoint", "ftp://x"], "--endpoint"),
 ])

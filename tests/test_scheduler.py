@@ -166,13 +166,13 @@ def test_a_long_prompt_runs_in_chunks_between_other_requests_decode_steps(llm, m
     calls: list[str] = []
     forward, forward_batch = target.forward, target.forward_batch
 
-    def logged_forward(tokens, cache, last_only=False, tree=None):
+    def logged_forward(tokens, cache, last_only=False, tree=None, capture=None):
         calls.append(f"prefill{len(tokens)}" if last_only else "other")
-        return forward(tokens, cache, last_only, tree)
+        return forward(tokens, cache, last_only, tree, capture)
 
-    def logged_batch(segments, last_only=False, trees=None):
+    def logged_batch(segments, last_only=False, trees=None, captures=None):
         calls.append("decode")
-        return forward_batch(segments, last_only, trees)
+        return forward_batch(segments, last_only, trees, captures)
 
     monkeypatch.setattr(target, "forward", logged_forward)
     monkeypatch.setattr(target, "forward_batch", logged_batch)
@@ -209,11 +209,11 @@ def test_a_request_cancelled_during_its_prefill_stops_at_the_next_chunk(llm, mon
     scheduler = Scheduler(llm, method="none", max_concurrency=2, max_queue=2)
     holder = {}
 
-    def logged_forward(tokens, cache, last_only=False, tree=None):
+    def logged_forward(tokens, cache, last_only=False, tree=None, capture=None):
         chunks_run.append(len(tokens))
         if len(chunks_run) == 2:
             holder["job"].cancel()  # the client leaves while its prompt runs
-        return forward(tokens, cache, last_only, tree)
+        return forward(tokens, cache, last_only, tree, capture)
 
     monkeypatch.setattr(target, "forward", logged_forward)
 

@@ -5,8 +5,9 @@
   counts the data's tokens; the target's choices are what drafts must match).
 - **Start.** ``lm_head`` starts as the target's LM head rows for those tokens and ``norm`` as the
   target's final norm; ``fc`` starts by passing the highest captured layer through and the
-  layer's output projections at zero, so the untrained head already reads the target's late state
-  through the target's own head ("logit lens"), and training refines that instead of finding it.
+  layer's output projections at zero. The untrained head's output is then the target's own late
+  state read through the target's own head, which guesses the token one place too early;
+  training moves it one place on rather than learning the token space from scratch.
 - **Loss.** The training-time test of EAGLE-3 (``Eagle3Head.unrolled_logits``): ``steps`` draft
   steps, each fed the previous step's output, step j weighted 0.8^j (SpecForge's decay). Each
   step's target is the target's next-token distribution, restricted to the draft vocabulary and
