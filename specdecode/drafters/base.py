@@ -90,6 +90,26 @@ class DraftProposal:
 EMPTY_PROPOSAL = DraftProposal(torch.empty(0, dtype=torch.long), None)
 
 
+def pick_from_subvocabulary(logits: Tensor, target_ids: Tensor, vocab_size: int, seq: SequenceState,
+                            need_prob: bool) -> tuple[int, Tensor | None, float]:
+    """One draft token from a trained head's logits over its own vocabulary ``target_ids`` (the
+    target ids of its entries): the argmax for a greedy request, else a sample under the
+    request's rule from the head's distribution spread over the target vocabulary (zero
+    elsewhere), which the exact rejection rule needs. Returns the target id, that distribution
+    (None when greedy) and the token's probability (1.0 when greedy and not ``need_prob``)."""
+    from specdecode.sample.sampling import logits_to_probs, sample
+
+    if seq.params.greedy:
+        choice = int(logits.argmax())
+        p_token = float(torch.softmax(logits, -1)[choice]) if need_prob else 1.0
+        return int(target_ids[choice]), None, p_token
+    full = torch.full((vocab_size,), -torch.inf)
+    full[target_ids] = logits
+    probs = logits_to_probs(full[None], seq.params)
+    token = int(sample(probs, seq.generator)[0])
+    return token, probs[0], float(probs[0, token])
+
+
 def most_probable_tree(tokens: list[int], parents: list[int], scores: list[float], k: int) -> DraftProposal:
     """The ``k`` candidates of highest path log-probability ``scores`` as a tree proposal.
 

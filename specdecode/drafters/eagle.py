@@ -23,17 +23,16 @@ vocabulary), which the rejection rule needs.
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import DraftProposal, Drafter, SequenceState, most_probable_tree
+from specdecode.drafters.base import (DraftProposal, Drafter, SequenceState, most_probable_tree,
+                                      pick_from_subvocabulary)
 from specdecode.heads.eagle3 import Eagle3Head, attention
 from specdecode.models import quant
 from specdecode.models.decoder import Decoder
-from specdecode.sample.sampling import logits_to_probs, sample
 
 _EMPTY = DraftProposal(torch.empty(0, dtype=torch.long), None)
 
@@ -112,21 +111,14 @@ class EagleDrafter(Drafter):
         return self.head.layer(feature, self.embed(tokens), positions, attend)
 
     def _chain(self, feature: Tensor, k: int, seq: SequenceState) -> DraftProposal:
-        params = seq.params
         tokens, probs = [], []
         cumulative = 1.0
         slot = self.length
         for i in range(k):
-            logits = self._logits(feature)[0]  # [draft vocab]
-            if params.greedy:
-                choice = int(logits.argmax())
-                token = int(self.target_ids[choice])
-                p_token = 1.0 if self.confidence <= 0 else float(torch.softmax(logits, -1)[choice])
-            else:
-                p = logits_to_probs(self._full(logits)[None], params)
-                token = int(sample(p, seq.generator)[0])
-                probs.append(p[0])
-                p_token = float(p[0, token])
+            token, p, p_token = pick_from_subvocabulary(self._logits(feature)[0], self.target_ids, self.vocab_size,
+                                                        seq, self.confidence > 0)
+            if p is not None:
+                probs.append(p)
             tokens.append(token)
             cumulative *= p_token
             if i + 1 == k or cumulative < self.confidence:
@@ -141,12 +133,6 @@ class EagleDrafter(Drafter):
         if self._lm_head is None:
             return self.head.logits(feature)
         return quant.linear_int8_fbgemm(self.head.norm(feature), self._lm_head)
-
-    def _full(self, draft_logits: Tensor) -> Tensor:
-        """Draft-vocabulary logits spread over the target vocabulary (-inf elsewhere)."""
-        full = torch.full((self.vocab_size,), -math.inf)
-        full[self.target_ids] = draft_logits
-        return full
 
     def _tree(self, root: Tensor, k: int) -> DraftProposal:
         """EAGLE-2's dynamic tree of at most ``k`` nodes (see the module docstring)."""

@@ -15,17 +15,16 @@ proposes them all, with no drafting loop (``heads/medusa.py``).
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState, most_probable_tree
+from specdecode.drafters.base import (EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState, most_probable_tree,
+                                      pick_from_subvocabulary)
 from specdecode.heads.medusa import MedusaHeads
 from specdecode.models import kernels
 from specdecode.models.decoder import Decoder
-from specdecode.sample.sampling import logits_to_probs, sample
 
 
 class MedusaDrafter(Drafter):
@@ -60,21 +59,13 @@ class MedusaDrafter(Drafter):
         return self._chain(logits, seq)
 
     def _chain(self, logits: list[Tensor], seq: SequenceState) -> DraftProposal:
-        params, ids = seq.params, self.heads.target_ids
         tokens, probs = [], []
         cumulative = 1.0
         for head_logits in logits:
-            if params.greedy:
-                choice = int(head_logits.argmax())
-                token = int(ids[choice])
-                p_token = 1.0 if self.confidence <= 0 else float(torch.softmax(head_logits, -1)[choice])
-            else:
-                full = torch.full((self.vocab_size,), -math.inf)
-                full[ids] = head_logits
-                p = logits_to_probs(full[None], params)
-                token = int(sample(p, seq.generator)[0])
-                probs.append(p[0])
-                p_token = float(p[0, token])
+            token, p, p_token = pick_from_subvocabulary(head_logits, self.heads.target_ids, self.vocab_size, seq,
+                                                        self.confidence > 0)
+            if p is not None:
+                probs.append(p)
             tokens.append(token)
             cumulative *= p_token
             if cumulative < self.confidence:

@@ -12,6 +12,7 @@ leaves the last good checkpoint; ``resume`` continues from it with the budget th
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -102,8 +103,12 @@ def run(model: nn.Module, train_set: Sequence[Example], loss_fn: Callable[[Examp
 def _order(n: int, seed: int, step: int) -> int:
     """The example of ``step``: a fresh seeded permutation each epoch."""
     epoch, index = divmod(step, n)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return int(perm[index])
+    return _permutation(n, seed, epoch)[index]
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    return tuple(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist())
 
 
 def _validate(model: nn.Module, validate: Callable[[], dict], state: LoopState, losses: list[float], bar) -> None:
