@@ -35,7 +35,8 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
                   serve_args),
         "calibrate": ("Choose the layers --method self skips and store the choice next to the model.",
                       calibrate_args),
-        "train": ("Train a drafter (an EAGLE-3 head or Medusa heads) for a target on your own data.", train_args),
+        "train": ("Train a drafter (an EAGLE-3 head, Medusa heads, or a distilled draft model) for a target "
+                  "on your own data.", train_args),
         "demo": ("Run the default model pair on a few prompts: plain decoding against each method.", demo_args),
     }
 

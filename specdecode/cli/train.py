@@ -1,4 +1,4 @@
-"""``specdecode train eagle3|medusa``: train a drafter for a target on the user's own data.
+"""``specdecode train eagle3|medusa|distill``: train a drafter for a target on the user's own data.
 
 Every trainer shares its data, budget and checkpoint flags (``_common``); see ``train/jobs.py``
 for what the output folder holds.
@@ -45,17 +45,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="tokens the heads predict: the N the target predicts most on the data (vLLM's "
                              "truncated_vocab_size; default: %(default)s)")
     medusa.set_defaults(run=run_medusa)
+    distill = sub.add_parser("distill", help="DistillSpec: fine-tune the draft model toward the target "
+                                             "(--method draft_model --draft DIR)",
+                             description="Distil the draft model toward the target (DistillSpec): the draft writes "
+                                         "answers to the data's prompts, the target scores every position, and "
+                                         "LoRA adapters on the draft learn the target's distribution (forward KL). "
+                                         "The adapters are merged and the result saved as a model folder; its "
+                                         "acceptance is measured after the int4 quantization it drafts with.")
+    _common(distill, output="the distilled draft's model folder (for --draft DIR)",
+            answerer="the draft")
+    distill.add_argument("--draft", default=None,
+                         help="the draft to distil: a catalog name, HF folder or .gguf with the target's "
+                              "vocabulary (default: the target's default draft)")
+    distill.add_argument("--lora-rank", type=int, default=16, metavar="R",
+                         help="rank of the adapters on every linear layer (default: %(default)s)")
+    distill.add_argument("--responses", choices=("draft", "data"), default="draft",
+                         help="who writes the answers trained on: the draft itself, for every prompt (on-policy, "
+                              "DistillSpec's recommendation) or the data as given (file pieces, JSONL responses; default: "
+                              "%(default)s)")
+    distill.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                         help="the draft's sampling temperature when it writes answers (default: %(default)s, "
+                              "greedy, as the draft proposes under greedy decoding)")
+    distill.set_defaults(run=run_distill)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, output: str = "the head folder", answerer: str = "the target") -> None:
+    """Flags every trainer shares; ``output`` names what --out becomes, ``answerer`` who writes missing answers."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="target: a catalog name, a local HF folder or a .gguf file (default: %(default)s)")
     p.add_argument("--data", nargs="+", required=True, metavar="SOURCE",
                    help="folders of text or code (each file's pieces become answers to chat prompts), .jsonl "
                         "files of {\"prompt\" or \"messages\", optional \"response\"}, or text files of one "
-                        "prompt per line; prompts without a response are answered by the target")
+                        f"prompt per line; prompts without a response are answered by {answerer}")
     p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="the head folder to write; it also keeps the run's checkpoint and captured data")
+                   help=f"{output} to write; it also keeps the run's checkpoint and captured data")
     p.add_argument("--budget-minutes", type=float, default=None, metavar="N",
                    help="minutes of training (data capture not counted); training stops when they are used "
                         "(default: 60 unless --max-steps is given)")
@@ -70,7 +93,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=None, metavar="N",
                    help="use at most N sequences (default: all the sources hold)")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
-                   help="length of the target's answers to prompts without a response (default: %(default)s)")
+                   help=f"most tokens in each answer {answerer} writes (default: %(default)s)")
     p.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
                    help="share of sequences held out for validation (default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=50, metavar="N", help="steps between validations")
@@ -128,4 +151,19 @@ def run_medusa(args: argparse.Namespace) -> int:
     last = state.history[-1]
     print(f"wrote {args.out}: {state.step} steps, validation tau {last.get('tau')}, "
           f"acceptance by position {last.get('accept')}")
+    return 0
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    from specdecode.train.jobs import train_distill
+
+    if args.lora_rank < 1:
+        raise InvalidConfigError(f"--lora-rank must be at least 1, got {args.lora_rank}")
+    if not args.temperature >= 0:
+        raise InvalidConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    state = train_distill(_options(args), draft=args.draft, rank=args.lora_rank, temperature=args.temperature,
+                         responses=args.responses)
+    last = state.history[-1]
+    print(f"wrote {args.out}: {state.step} steps, validation greedy agreement {last.get('agree')}, "
+          f"sampled acceptance {last.get('accept')}")
     return 0

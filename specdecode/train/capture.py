@@ -44,7 +44,7 @@ class Example:
 
     tokens: Tensor  # [n] int64
     loss_mask: Tensor  # [n] bool: position i's next token is part of the response (trained on)
-    states: Tensor  # [n, len(layers) * D] bfloat16: the target's hidden states
+    states: Tensor  # [n, len(layers) * D] bfloat16: the target's hidden states (none for DistillSpec)
     top_ids: Tensor  # [n, TOP] int64: the target's most probable tokens after position i
     top_logp: Tensor  # [n, TOP] float32: their log-probabilities under the full distribution
 
@@ -57,7 +57,7 @@ def capture(target: Decoder, seq: TrainingSequence, layers: Sequence[int]) -> Ex
     """Run ``target`` over ``seq`` and keep what training needs."""
     ids = torch.tensor(seq.token_ids)
     cache = target.new_cache(len(ids))
-    hidden = HiddenCapture(tuple(layers))
+    hidden = HiddenCapture(tuple(layers)) if layers else None
     top_ids, top_logp = [], []
     for start in range(0, len(ids), PREFILL_CHUNK):
         logits = target.forward(ids[start : start + PREFILL_CHUNK], cache, capture=hidden)
@@ -66,7 +66,8 @@ def capture(target: Decoder, seq: TrainingSequence, layers: Sequence[int]) -> Ex
         top_logp.append(top.values)
     mask = torch.zeros(len(ids), dtype=torch.bool)
     mask[max(seq.prompt_len - 1, 0) :] = True  # from the prompt's last position, which predicts the response
-    return Example(ids, mask, hidden.take().to(torch.bfloat16), torch.cat(top_ids), torch.cat(top_logp))
+    states = hidden.take() if hidden is not None else torch.empty(len(ids), 0)  # a draft model reads tokens only
+    return Example(ids, mask, states.to(torch.bfloat16), torch.cat(top_ids), torch.cat(top_logp))
 
 
 def save_examples(examples: Sequence[Example], path: Path) -> None:

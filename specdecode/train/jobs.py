@@ -1,6 +1,7 @@
-"""``specdecode train eagle3|medusa`` end to end: data, capture, training, the head folder and its card.
+"""``specdecode train eagle3|medusa|distill`` end to end: data, capture, training, the output folder and its card.
 
-The output folder is the head (loadable by ``--eagle-head DIR`` or ``--medusa-heads DIR``) and the run's workspace: the
+The output folder is the drafter (loadable by ``--eagle-head DIR``, ``--medusa-heads DIR`` or, distilled,
+``--draft DIR``) and the run's workspace: the
 captured examples (``.capture/``, reused by ``--resume`` when the data and target are unchanged),
 the last checkpoint (``checkpoint/``) and the metrics (``train.json``). The head files are
 rewritten at every checkpoint, so an interrupted run leaves a usable head.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -19,18 +21,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from specdecode.config import SamplingParams
+from specdecode.config import DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, SamplingParams
 from specdecode.errors import InvalidConfigError
 from specdecode.api import LLM
+from specdecode.heads.folders import write_files
 from specdecode.models.config import ModelConfig, config_fingerprint
 from specdecode.train.capture import (Example, TrainingSequence, capture, draft_vocabulary, load_examples,
                                       save_examples)
-from specdecode.train.data import DataConfig, load_sequences
+from specdecode.train.data import DataConfig, Respond, load_sequences
 from specdecode.train.loop import LoopConfig, LoopState
 
 CAPTURE_DIR = ".capture"
 SHARD = 64  # examples per capture file
+DRAFT_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+               "chat_template.json")  # copied beside a distilled draft
 
 
 @dataclass(frozen=True)
@@ -55,24 +61,34 @@ def check_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def prepare(opts: TrainOptions, layers_for: Callable[[ModelConfig], Sequence[int]]
-            ) -> tuple[LLM, list[Example], list[Example], dict]:
-    """Load the target, read the data and capture the states of ``layers_for(target config)``
-    (or reuse that capture). Returns the LLM, the train and validation examples, and a
-    description of the data for the card."""
+def check_out(opts: TrainOptions) -> None:
+    """Refuse an ``--out`` that is a file, or holds a run that ``--resume`` was not asked to continue."""
     if opts.out.exists() and not opts.out.is_dir():
         raise InvalidConfigError(f"--out {opts.out} is a file; give a folder")
     if not opts.resume and (opts.out / "checkpoint").exists():
         raise InvalidConfigError(f"{opts.out} holds a training run already: pass --resume to continue it, or "
                                  "choose another --out")
-    llm = LLM(opts.model, max_seq_len=8192, progress=opts.progress)
+
+
+def prepare(opts: TrainOptions, layers_for: Callable[[ModelConfig], Sequence[int]], *, llm: LLM | None = None,
+            respond: Respond | None = None, rewrite: bool = False, key_extra: dict | None = None
+            ) -> tuple[LLM, list[Example], list[Example], dict]:
+    """Load the target (unless ``llm`` is given), read the data and capture the states of
+    ``layers_for(target config)`` (or reuse that capture). Prompts without a response are
+    answered by ``respond`` (default: the target, greedy); with ``rewrite`` every sequence's
+    response is replaced by ``respond``'s. Returns the LLM, the train and validation examples,
+    and a description of the data for the card."""
+    check_out(opts)
+    if llm is None:
+        llm = LLM(opts.model, max_seq_len=8192, progress=opts.progress)
     layers = tuple(layers_for(llm.target.config))
-    greedy = SamplingParams(max_tokens=opts.max_new_tokens)
+    if respond is None:
+        greedy = SamplingParams(max_tokens=opts.max_new_tokens)
 
-    def respond(prompt: list[int]) -> list[int]:
-        return llm.generate(prompt, greedy, method="ngram")[0].token_ids
+        def respond(prompt: list[int]) -> list[int]:
+            return llm.generate(prompt, greedy, method="ngram")[0].token_ids
 
-    key = _capture_key(opts, config_fingerprint(llm.model_dir), layers)
+    key = _capture_key(opts, config_fingerprint(llm.model_dir), layers, key_extra or {})
     folder = opts.out / CAPTURE_DIR / key
     if (folder / "manifest.json").is_file():
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -80,20 +96,37 @@ def prepare(opts: TrainOptions, layers_for: Callable[[ModelConfig], Sequence[int
         split = manifest["train"]
         print(f"specdecode: reusing {len(examples)} captured sequences from {folder}", file=sys.stderr)
         return llm, examples[:split], examples[split:], manifest["data"]
-    train_seqs, val_seqs = load_sequences(opts.sources, llm.tokenizer, opts.data, respond)
+    # With ``rewrite`` every response is written below, once: prompts get a stand-in answer here.
+    train_seqs, val_seqs = load_sequences(opts.sources, llm.tokenizer, opts.data,
+                                          (lambda prompt: prompt[-1:]) if rewrite else respond)
+    if rewrite:
+        train_seqs, val_seqs = _answer(train_seqs + val_seqs, respond, len(train_seqs), opts.progress)
     seqs = train_seqs + val_seqs
     examples = _capture_all(llm.target, seqs, layers, folder, opts.progress)
     data = {"sources": list(opts.sources), "sequences": len(seqs), "validation_sequences": len(val_seqs),
             "tokens": sum(len(s.token_ids) for s in seqs),
-            "trained_positions": int(sum(int(ex.loss_mask.sum()) for ex in examples[: len(train_seqs)]))}
+            "trained_positions": int(sum(int(ex.loss_mask.sum()) for ex in examples[: len(train_seqs)])),
+            **(key_extra or {})}
     shards = sorted(p.name for p in folder.glob("shard-*.safetensors"))
     (folder / "manifest.json").write_text(json.dumps({"shards": shards, "train": len(train_seqs), "data": data}))
     return llm, examples[: len(train_seqs)], examples[len(train_seqs) :], data
 
 
-def _capture_key(opts: TrainOptions, fingerprint: str, layers: Sequence[int]) -> str:
+def _answer(seqs: list[TrainingSequence], respond: Respond, split: int, progress: bool
+            ) -> tuple[list[TrainingSequence], list[TrainingSequence]]:
+    """Each sequence's prompt with ``respond``'s answer instead of its response."""
+    from tqdm import tqdm
+
+    out = []
+    for seq in tqdm(seqs, desc="writing responses", unit="seq", file=sys.stderr, disable=not progress):
+        prompt = seq.token_ids[: seq.prompt_len]
+        out.append(TrainingSequence(prompt + respond(prompt), len(prompt)))
+    return out[:split], out[split:]
+
+
+def _capture_key(opts: TrainOptions, fingerprint: str, layers: Sequence[int], extra: dict) -> str:
     blob = json.dumps({"target": fingerprint, "layers": list(layers), "sources": [str(Path(s).resolve())
-                       for s in opts.sources], "data": asdict(opts.data), "new": opts.max_new_tokens})
+                       for s in opts.sources], "data": asdict(opts.data), "new": opts.max_new_tokens, **extra})
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -183,6 +216,62 @@ def train_medusa(opts: TrainOptions, *, num_heads: int, num_layers: int, vocab_s
                     opts.out, opts.loop, resume=opts.resume, on_checkpoint=save, progress=opts.progress)
 
 
+def train_distill(opts: TrainOptions, *, draft: str | None, rank: int, temperature: float,
+                  responses: str) -> LoopState:
+    """DistillSpec: LoRA-fine-tune ``draft`` toward ``opts.model`` (``train/distill.py``) and
+    write the merged draft into ``opts.out``, a model folder for ``--draft DIR``."""
+    from specdecode.models import quant
+    from specdecode.models.catalog import resolve_model
+    from specdecode.train import distill, loop
+    from specdecode.train.student import Student
+
+    device = check_device(opts.device)
+    check_out(opts)
+    draft = draft or DEFAULT_DRAFTS.get(opts.model)
+    if draft is None:
+        raise InvalidConfigError(f"no default draft for {opts.model!r}: pass --draft")
+    llm = LLM(opts.model, draft=draft, max_seq_len=8192, progress=opts.progress)
+    if llm.draft_tokenizer is not None:
+        raise InvalidConfigError(f"--draft {draft} has another vocabulary than {opts.model}: DistillSpec needs a "
+                                 "draft that speaks the target's tokens")
+    draft_dir = resolve_model(draft, progress=opts.progress)
+    respond = distill.draft_responses(llm.draft_model, llm.tokenizer, opts.max_new_tokens, temperature,
+                                      opts.loop.seed)
+    extra = {"draft": draft, "draft_fingerprint": config_fingerprint(draft_dir), "responses": responses,
+             "temperature": temperature}
+    llm, train, val, data = prepare(opts, lambda cfg: (), llm=llm, respond=respond, rewrite=responses == "draft",
+                                    key_extra=extra)
+    mode = quant.usable_mode(DEFAULT_DRAFT_QUANTIZE, "float32")
+    before = distill.quantized_acceptance(llm.draft_model, val)
+    student = Student.from_dir(draft_dir, rank=rank, seed=opts.loop.seed).to(device)
+    started = time.time()
+    fingerprint = config_fingerprint(llm.model_dir)
+    checked: dict = {}
+
+    def save(state: LoopState) -> None:
+        record = _record(opts, data, state, started, {"draft": draft, "lora_rank": rank, "lora_alpha": student.alpha,
+                                                      "responses": responses, "temperature": temperature})
+        record["quantized"] = {"mode": mode, "untrained": before, **checked}
+        config = {**json.loads((draft_dir / "config.json").read_text()), "torch_dtype": "bfloat16",
+                  "specdecode": {"distilled_from": draft, "target": opts.model, "target_fingerprint": fingerprint}}
+        weights = student.merged_weights()
+        writers = {"model.safetensors": lambda path: save_file(weights, str(path), metadata={"format": "pt"}),
+                   "config.json": lambda path: path.write_text(json.dumps(config, indent=2) + "\n")}
+        for name in DRAFT_FILES:
+            if (draft_dir / name).is_file():
+                writers[name] = lambda path, name=name: shutil.copyfile(draft_dir / name, path)
+        writers["README.md"] = lambda path: path.write_text(_draft_card(opts, record))
+        writers["train.json"] = lambda path: path.write_text(json.dumps(record, indent=2) + "\n")
+        write_files(opts.out, writers)
+
+    state = loop.run(student, train, lambda ex: distill.loss(student, _to(ex, device)),
+                     lambda: distill.evaluate(student, [_to(ex, device) for ex in val]),
+                     opts.out, opts.loop, resume=opts.resume, on_checkpoint=save, progress=opts.progress)
+    checked["trained"] = distill.quantized_acceptance(distill.merged_decoder(student.cpu(), mode), val)
+    save(state)
+    return state
+
+
 def _to(ex: Example, device: torch.device) -> Example:
     if device.type == "cpu":
         return ex
@@ -209,6 +298,27 @@ def _card(kind: str, flag: str, opts: TrainOptions, record: dict) -> str:
             f"- Steps: {record['steps']} in {record['train_seconds']} s of training\n"
             f"- Validation (teacher-forced, held-out sequences): tau {val.get('tau')}, acceptance by draft "
             f"position {accept}\n"
+            f"- Command: `{record['command']}`\n")
+
+
+def _draft_card(opts: TrainOptions, record: dict) -> str:
+    val, shape, quantized = record["validation"], record["shape"], record["quantized"]
+
+    def measured(m: dict | None) -> str:
+        return "not measured yet" if not m else f"greedy agreement {m['agree']}, sampled acceptance {m['accept']}"
+
+    return (f"# `{shape['draft']}` distilled toward `{opts.model}` (DistillSpec)\n\n"
+            f"Trained by specdecode on {record['finished_utc']} UTC; use with `specdecode generate --model {opts.model} "
+            f"--method draft_model --draft {opts.out}`.\n\n"
+            f"- Target: `{opts.model}` (config fingerprint in `config.json`, `specdecode.target_fingerprint`)\n"
+            f"- Data: {', '.join(f'`{s}`' for s in opts.sources)}: {record['data'].get('sequences')} sequences, "
+            f"{record['data'].get('tokens')} tokens, {record['data'].get('validation_sequences')} held out; "
+            f"responses written by {'the draft (on-policy)' if shape['responses'] == 'draft' else 'the data'}\n"
+            f"- Training: LoRA rank {shape['lora_rank']} on every linear layer, merged; forward KL to the target; "
+            f"{record['steps']} steps in {record['train_seconds']} s\n"
+            f"- Validation, float weights: {measured(val)}\n"
+            f"- Validation, {quantized['mode']} as drafted: untrained {measured(quantized['untrained'])}; "
+            f"trained {measured(quantized.get('trained'))}\n"
             f"- Command: `{record['command']}`\n")
 
 

@@ -118,7 +118,7 @@ def _validate(model: nn.Module, validate: Callable[[], dict], state: LoopState, 
     losses.clear()
     state.history.append(record)
     if bar is not None:
-        bar.set_postfix({k: v for k, v in record.items() if k in ("loss", "tau")})
+        bar.set_postfix({k: v for k, v in record.items() if k in ("loss", "tau", "agree")})
 
 
 def _save(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: LoopState,
