@@ -25,6 +25,7 @@ from specdecode.bench.workloads import (
 from specdecode.cli import main
 from specdecode.config import SamplingParams
 from specdecode.errors import InvalidConfigError
+from tests.conftest import make_tiny_llm
 
 ISSUE_METHOD_KEYS = ("tokens_per_s", "speedup_vs_none", "mean_acceptance_length", "acceptance_rate",
                      "acceptance_by_position", "ttft_s", "tpot_s", "identical_to_none")
@@ -160,6 +161,24 @@ def test_k_schedule_both_adds_fixed_rows(tiny_pair, tmp_path):
     # fixed K: every draft has 4 tokens except where max_tokens cuts the last steps short
     assert fixed and all(r["drafted_per_position"][3] >= r["drafts"] - 2 for r in fixed)
     assert summary["settings"]["k_schedule"] == "both" and summary["settings"]["draft_quantize"] == "int8"
+
+
+def test_compare_drafts_adds_rows_with_the_other_draft(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    other = make_tiny_llm(tmp_path / "other-draft", "qwen2", seed=10, noise=0.4, tie_word_embeddings=False)
+    code, summary, rows = bench(tmp_path, *pair_args(tiny_pair), "--methods", "draft_model", "--workload", "code",
+                                "--limit", "2", "--max-tokens", "12", "-k", "4", "--draft-quantize", "int8",
+                                "--draft-confidence", "0", "--compare-drafts", f"{draft},{other}")
+    assert code == 0
+    names = ["none", "draft_model", f"draft_model[{draft.name}]", "draft_model[other-draft]"]
+    assert list(summary["methods"]) == names
+    assert all(r["identical"] for r in rows if r["method"] != "none")
+    by = {name: [r for r in rows if r["method"] == name] for name in names}
+    # the same draft under another name drafts the same tokens; another draft does not
+    assert [r["accepted_tokens"] for r in by["draft_model"]] == [r["accepted_tokens"] for r in by[names[2]]]
+    assert [r["draft_tokens"] for r in by["draft_model"]] != [r["draft_tokens"] for r in by[names[3]]] or \
+        [r["accepted_tokens"] for r in by["draft_model"]] != [r["accepted_tokens"] for r in by[names[3]]]
+    assert f"--compare-drafts {draft},{other}" in summary["command"]
 
 
 def test_multi_turn_sends_the_models_own_answer(tiny_pair, tmp_path):
@@ -400,6 +419,7 @@ def test_bench_endpoint_cli(sse_server, tmp_path):
     (["--workload", "code", "--methods", "none,bogus"], "unknown method 'bogus'"),
     (["--workload", "code", "--repeat", "0"], "--repeat"),
     (["--workload", "code", "--endpoint", "ftp://x"], "--endpoint"),
+    (["--workload", "code", "--compare-drafts", ","], "--compare-drafts"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
     code = main(["bench", "--out", str(tmp_path / "o"), *args])

@@ -19,13 +19,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdecode.bench.workloads import Prompt
 from specdecode.config import SamplingParams
-from specdecode.drafters.registry import METHOD_NAMES
+from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES, build_drafter
 from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import InvalidConfigError
+from specdecode.models.decoder import Decoder
 
 if TYPE_CHECKING:
     from specdecode.api import LLM
@@ -106,6 +108,44 @@ def our_contestants(llm: LLM, runs: Sequence[RunSpec]) -> list[Contestant]:
 
         contestants.append(Contestant(run.name, run.method, run.k, "ours", generate))
     return contestants
+
+
+def draft_contestants(llm: LLM, runs: Sequence[RunSpec], name: str, draft: Decoder) -> list[Contestant]:
+    """The draft-model runs of ``runs`` again with another ``draft`` (loaded by ``load_draft``),
+    named ``METHOD[NAME]``: two drafts of one target compared on the same prompts in one run."""
+    resources = replace(llm.resources, draft_model=draft, draft_name=name)
+    label = Path(name).name or name
+    contestants = []
+    for run in runs:
+        if run.method not in DRAFT_MODEL_METHODS:
+            continue
+        spec = replace(llm.spec, method=run.method, num_speculative_tokens=run.k, adaptive=run.adaptive)
+        drafter = build_drafter(run.method, resources, llm.engine.max_seq_len)
+
+        def generate(ids: list[int], params: SamplingParams, spec=spec, drafter=drafter) -> GenerationOutput:
+            return llm.engine.generate(ids, params, drafter, spec)
+
+        contestants.append(Contestant(f"{run.name}[{label}]", run.method, run.k, "ours", generate))
+    return contestants
+
+
+def load_draft(llm: LLM, name: str, draft_quantize: str | None) -> Decoder:
+    """Draft ``name`` loaded as ``LLM`` loads its own; refused unless it speaks the target's vocabulary."""
+    from specdecode.drafters.vocab import same_vocabulary
+    from specdecode.models import quant
+    from specdecode.models.catalog import resolve_model
+    from specdecode.tokenizer import Tokenizer
+
+    path = resolve_model(name)
+    draft = Decoder.from_dir(path, llm.model_spec.dtype, batch_invariant=False,
+                             quantize=quant.usable_mode(draft_quantize, llm.model_spec.dtype))
+    size = llm.target.config.vocab_size
+    same = (same_vocabulary(llm.tokenizer, Tokenizer.from_dir(path), size, draft.config.vocab_size)
+            if (path / "tokenizer.json").is_file() else draft.config.vocab_size == size)
+    if not same:
+        raise InvalidConfigError(f"--compare-drafts {name}: its vocabulary differs from the target's; compare "
+                                 "drafts of the target's own vocabulary")
+    return draft
 
 
 def target_step_timer(llm: LLM, context_ids: list[int], repeats: int = 5) -> Callable[[], float]:

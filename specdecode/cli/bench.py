@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="draft model for draft_model and for the hf_assisted peer (default: the catalog's "
                         "pair of the default target)")
+    p.add_argument("--compare-drafts", default=None, metavar="DRAFT[,DRAFT]",
+                   help="also run every draft-model method in --methods with each of these drafts (same "
+                        "vocabulary as --draft), as rows METHOD[NAME]: e.g. a draft made by `specdecode train "
+                        "distill` beside the draft it came from, in the same run")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated methods from {', '.join(METHOD_NAMES)}; none is always run as the "
                         "reference (default: %(default)s)")
@@ -154,6 +158,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise InvalidConfigError(f"--llamacpp-args: {exc}") from None
     if args.timeout <= 0:
         raise InvalidConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.compare_drafts is not None and (args.endpoint or not compare_drafts(args.compare_drafts)):
+        raise InvalidConfigError("--compare-drafts takes comma-separated drafts and runs local models, not "
+                                 "--endpoint")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.workload is not None:
         prompts, source = load_workloads(parse_workload_names(args.workload)), f"workload {args.workload}"
@@ -170,6 +177,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     schedules = ("adaptive", "fixed") if args.k_schedule == "both" else (args.k_schedule,)
     runs = plan_runs(methods, ks, sweep=args.sweep_k is not None, schedules=schedules)
     return Plan(prompts, runs, ks, params, source, tuple(peers), llamacpp_args)
+
+
+def compare_drafts(text: str | None) -> list[str]:
+    """``a,b`` -> ["a", "b"]: the extra drafts of --compare-drafts."""
+    return list(dict.fromkeys(d.strip() for d in (text or "").split(",") if d.strip()))
 
 
 def parse_peers(text: str | None) -> list[str]:
@@ -205,10 +217,13 @@ def _out_dir(out: Path | None) -> Path:
 def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[str, Any], list[Any]]:
     from specdecode.api import LLM
     from specdecode.bench.report import RESULTS_FILE, ResultsWriter
-    from specdecode.bench.runner import our_contestants, run_benchmark, target_step_timer
+    from specdecode.bench.runner import (draft_contestants, load_draft, our_contestants, run_benchmark,
+                                         target_step_timer)
     from specdecode.bench.summary import summarize
 
     needs_draft = any(r.method in DRAFT_MODEL_METHODS for r in plan.runs)
+    if args.compare_drafts and not needs_draft:
+        raise InvalidConfigError("--compare-drafts needs a draft-model method in --methods, e.g. draft_model")
     draft = args.draft or (DEFAULT_DRAFTS.get(args.model) if needs_draft or plan.peers else None)
     if needs_draft and draft is None:
         raise InvalidConfigError(f"--methods includes draft_model but no --draft was given for {args.model!r}; "
@@ -223,10 +238,13 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
               **method_options(args, [r.method for r in plan.runs]))
     args.quantize = llm.quantize or "none"  # what ran: reports and the reproducing command name it
     first_ids = _check_lengths(llm, plan)
+    ours = our_contestants(llm, plan.runs)
+    for name in compare_drafts(args.compare_drafts):
+        ours += draft_contestants(llm, plan.runs, name, load_draft(llm, name, args.draft_quantize))
     with ExitStack() as stack:  # peer servers stop however the run ends
         peers, peer_settings = _peer_contestants(args, plan, llm, draft, server, out, stack)
         with ResultsWriter(out / RESULTS_FILE) as sink:
-            result = run_benchmark(our_contestants(llm, plan.runs) + peers, plan.prompts, plan.params,
+            result = run_benchmark(ours + peers, plan.prompts, plan.params,
                                    llm.chat_prompt_ids, args.repeat, step_timer=target_step_timer(llm, first_ids),
                                    on_row=sink, progress=not args.no_progress)
     meta = _meta(args, plan, model=llm.model_name, draft=draft, dtype=args.dtype)
@@ -318,6 +336,7 @@ def _meta(args: argparse.Namespace, plan: Plan, *, model: str, draft: str | None
         "created": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": _command(args),
         "settings": {
             "methods": [r.name for r in plan.runs] if not args.endpoint else ["endpoint"],
+            "compare_drafts": compare_drafts(args.compare_drafts),
             "k": plan.ks if args.sweep_k is not None else plan.ks[0], "sweep_k": args.sweep_k is not None,
             "source": plan.source, "limit": args.limit, "prompts": len(plan.prompts),
             "categories": list(dict.fromkeys(p.category for p in plan.prompts)),
@@ -333,7 +352,7 @@ def _meta(args: argparse.Namespace, plan: Plan, *, model: str, draft: str | None
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run, rebuilt from the parsed options."""
     parts = ["specdecode", "bench", "--model", args.model]
-    options = (("--draft", args.draft), ("--methods", args.methods), ("--workload", args.workload),
+    options = (("--draft", args.draft), ("--compare-drafts", args.compare_drafts), ("--methods", args.methods), ("--workload", args.workload),
                ("--dataset", args.dataset), ("--limit", args.limit), ("--max-tokens", args.max_tokens),
                ("--temperature", args.temperature), ("--seed", args.seed), ("--peers", args.peers),
                ("--repeat", args.repeat), ("--dtype", args.dtype), ("--max-seq-len", args.max_seq_len),
