@@ -143,7 +143,7 @@ def test_drafting_computes_what_training_computes(target_dir):
     t, steps = 30, 3
     with torch.no_grad():
         unrolled = head.unrolled_logits(states[:t], target.embed_tokens(tokens[1 : t + steps]), steps)
-        drafter = EagleDrafter(head, target, capacity=64)
+        drafter = EagleDrafter(head, target, capacity=64, quantize=False)
         seq = SequenceState(tokens[: t + 1].tolist(), 5, SamplingParams())
         drafter.begin(seq)
         drafter.observe_hidden(states[:20])

@@ -42,9 +42,11 @@ class EagleDrafter(Drafter):
     needs_hidden_states: ClassVar[bool] = True
 
     def __init__(self, head: Eagle3Head, target: Decoder, capacity: int, confidence: float = 0.0,
-                 tree_width: int = 0, tree_depth: int = 6) -> None:
+                 tree_width: int = 0, tree_depth: int = 6, quantize: bool = True) -> None:
         cfg = head.config
-        self.head = head.eval()
+        # Drafts only propose, so their numerics never change the output: the head drafts with
+        # 4-bit weights (``quant.draft_copy``), which a one-token step reads an eighth of.
+        self.head = quant.draft_copy(head.eval()) if quantize else head.eval()
         self.embed = target.embed_tokens
         self.hidden_layers = cfg.hidden_layers
         self.confidence = confidence
@@ -57,10 +59,6 @@ class EagleDrafter(Drafter):
         self.pending: list[Tensor] = []  # target states not yet run through the head
         self.target_ids = head.target_ids
         self.vocab_size = cfg.vocab_size
-        # The LM head is half the head's weights and read at every step: int8 (fbgemm) reads a
-        # quarter of the bytes. Drafts only propose, so their numerics never change the output.
-        self._lm_head = (quant.pack_int8(head.lm_head.weight.detach())
-                         if "fbgemm" in torch.backends.quantized.supported_engines else None)
 
     def begin(self, seq: SequenceState) -> None:
         self.length = 0
@@ -115,7 +113,7 @@ class EagleDrafter(Drafter):
         cumulative = 1.0
         slot = self.length
         for i in range(k):
-            token, p, p_token = pick_from_subvocabulary(self._logits(feature)[0], self.target_ids, self.vocab_size,
+            token, p, p_token = pick_from_subvocabulary(self.head.logits(feature)[0], self.target_ids, self.vocab_size,
                                                         seq, self.confidence > 0)
             if p is not None:
                 probs.append(p)
@@ -128,12 +126,6 @@ class EagleDrafter(Drafter):
             slot += 1
         return DraftProposal(torch.tensor(tokens), torch.stack(probs) if probs else None)
 
-    def _logits(self, feature: Tensor) -> Tensor:
-        """Draft-vocabulary logits [N, draft vocab] of head outputs [N, H]."""
-        if self._lm_head is None:
-            return self.head.logits(feature)
-        return quant.linear_int8_fbgemm(self.head.norm(feature), self._lm_head)
-
     def _tree(self, root: Tensor, k: int) -> DraftProposal:
         """EAGLE-2's dynamic tree of at most ``k`` nodes (see the module docstring)."""
         w = self.tree_width
@@ -143,7 +135,7 @@ class EagleDrafter(Drafter):
         slot_of: dict[int, int] = {}  # expanded node -> its draft slot, counted from self.length
         frontier, outputs = [-1], root  # expanded nodes (-1: the last committed token), their outputs
         for depth in range(min(self.tree_depth, k)):
-            logp = torch.log_softmax(self._logits(outputs), dim=-1)  # [len(frontier), draft vocab]
+            logp = torch.log_softmax(self.head.logits(outputs), dim=-1)  # [len(frontier), draft vocab]
             top = logp.topk(min(w, logp.shape[-1]), dim=-1)
             children = []
             for row, node in enumerate(frontier):

@@ -23,7 +23,7 @@ from torch import Tensor
 from specdecode.drafters.base import (EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState, most_probable_tree,
                                       pick_from_subvocabulary)
 from specdecode.heads.medusa import MedusaHeads
-from specdecode.models import kernels
+from specdecode.models import kernels, quant
 from specdecode.models.decoder import Decoder
 
 
@@ -32,7 +32,7 @@ class MedusaDrafter(Drafter):
     needs_hidden_states: ClassVar[bool] = True
 
     def __init__(self, heads: MedusaHeads, target: Decoder, confidence: float = 0.0, tree_width: int = 0) -> None:
-        self.heads = heads.eval()
+        self.heads = quant.draft_copy(heads.eval())  # 4-bit weights: drafts never change the output
         self.hidden_layers = (target.config.num_layers,)  # the last layer's output, before the final norm
         self.norm, self.eps = target.norm.float(), target.config.rms_norm_eps
         self.confidence, self.tree_width = confidence, tree_width

@@ -156,7 +156,7 @@ class Eagle3Head(nn.Module):
 
     def project(self, states: Tensor) -> Tensor:
         """Target hidden states [N, len(hidden_layers) * target width] -> features [N, H]."""
-        return self.fc(states.to(self.fc.weight.dtype))
+        return self.fc(states.to(self.norm.weight.dtype))
 
     def layer(self, feature: Tensor, embeds: Tensor, positions: Tensor, attend: Attend) -> Tensor:
         """One pass of the decoder layer over rows [N]: returns the next features [N, H] (before

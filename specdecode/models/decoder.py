@@ -162,9 +162,11 @@ class Decoder:
         packer = quant.pack_int4 if mode == "int4" else quant.pack_int8
 
         def pack(w: Tensor | GGUFLinear) -> object:
-            if not isinstance(w, GGUFLinear):
-                return packer(w)
-            return quant.pack_int4(w.dequantize(), many_rows=w) if mode == "int4" else packer(w.dequantize())
+            if isinstance(w, GGUFLinear):
+                return quant.pack_int4(w.dequantize(), many_rows=w) if mode == "int4" else packer(w.dequantize())
+            # Calls of many rows (the prompt's prefill) keep float activations on per-row int8
+            # weights: fbgemm's one activation scale per call lets one row's outliers blur the rest.
+            return quant.pack_int4(w, many_rows=quant.quantize_rows(w)) if mode == "int4" else packer(w)
 
         self.lm_head = pack(self.lm_head)
         for w in self.layers:

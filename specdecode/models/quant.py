@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,14 +63,14 @@ def linear_int8_fbgemm(x: Tensor, packed: Any) -> Tensor:
 @dataclass(frozen=True, slots=True)
 class Int4Groups:
     """A draft weight [out, in] for the int4 kernel (``csrc/linear_int4.cpp``): signed 4-bit
-    values, one float32 scale per group of ``INT4_GROUP`` inputs, two values per byte, plus
-    fbgemm's int8 copy for calls with many rows. Decode rows read 4.5 bits per weight instead of
-    8; a prefill keeps int8's fast GEMM. The kernel quantizes activations per row to int8."""
+    values, one float32 scale per group of ``INT4_GROUP`` inputs, two values per byte, plus a copy
+    for calls with many rows (``int8``). Decode rows read 4.5 bits per weight instead of 8; a
+    prefill takes a GEMM on the copy. The kernel quantizes activations per row to int8."""
 
     packed: Tensor  # [out, in / 2] uint8, see the kernel's layout note
     scales: Tensor  # [out, in / INT4_GROUP] float32
     offset: Tensor  # [out] float32: 128 * sum over groups of scale * sum of the group's values
-    int8: Any  # for calls of many rows: fbgemm prepacked int8 of the same weight, or its GGUF form
+    int8: Any  # for calls of many rows: per-row int8 (Int8Rows), fbgemm prepacked int8, or its GGUF form
     kernel: Any  # the compiled ``linear_int4``, looked up once here rather than per call; or None
 
     def dequantize(self) -> Tensor:
@@ -110,7 +111,8 @@ def pack_int4(w: Tensor, chunk_rows: int = 8192, many_rows: Any = None) -> Any:
 
 def linear_draft(x: Tensor, w: Any) -> Tensor:
     """A quantized draft's ``x @ w.T``: the int4 kernel for a few rows of an ``Int4Groups``
-    weight, fbgemm's int8 otherwise (and where the kernel cannot run)."""
+    weight; otherwise (and where the kernel cannot run) its copy for many rows: the GGUF weight,
+    per-row int8 (``Int8Rows``, float activations) or fbgemm's int8."""
     if not isinstance(w, Int4Groups):
         return _many_rows(x, w)
     if x.shape[0] > INT4_MAX_ROWS or w.kernel is None:
@@ -119,13 +121,55 @@ def linear_draft(x: Tensor, w: Any) -> Tensor:
 
 
 def _many_rows(x: Tensor, w: Any) -> Tensor:
+    from specdecode.models import kernels
     from specdecode.models.gguf_native import GGUFLinear
 
     if isinstance(w, GGUFLinear):
-        from specdecode.models.kernels import linear_gguf
-
-        return linear_gguf(x, w)
+        return kernels.linear_gguf(x, w)
+    if isinstance(w, Int8Rows):
+        return kernels.linear_int8_invariant(x, w)
     return linear_int8_fbgemm(x, w)
+
+
+class DraftLinear(torch.nn.Module):
+    """An ``nn.Linear`` packed for drafting (``pack_int4``: 4-bit for a few rows where the kernel
+    runs, int8 otherwise), its bias kept in float."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.packed = pack_int4(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.out_features = linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = linear_draft(x.reshape(-1, x.shape[-1]).float(), self.packed)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+_DRAFT_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def draft_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a trained head with every ``nn.Linear`` a ``DraftLinear``: its drafting form.
+    A head's one-token steps read every weight once, so bytes decide their cost; the training
+    form (float32, and shared with the checkpoint) is left as it is. Made once per head object
+    and shared by every drafter of it (one per concurrent request); a head whose weights change
+    afterwards must be a new object. Without fbgemm the head drafts in float."""
+    import copy
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return module
+    clone = _DRAFT_COPIES.get(module)
+    if clone is None:
+        clone = copy.deepcopy(module)
+        for parent in list(clone.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, DraftLinear(child))
+        _DRAFT_COPIES[module] = clone = clone.eval()
+    return clone
 
 
 def fused_int4_draft(model: Any) -> Any:
