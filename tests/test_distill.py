@@ -95,7 +95,7 @@ def test_cli_writes_a_draft_that_drafts_exactly(pair, tmp_path, capsys):
     assert "greedy agreement" in capsys.readouterr().out
     record = json.loads((out / "train.json").read_text())
     assert record["steps"] == 8 and record["data"]["responses"] == "draft"
-    assert set(record["quantized"]) == {"mode", "untrained", "trained"}
+    assert set(record["quantized"]) == {"mode", "untrained", "trained"} and record["untrained"]["positions"] > 0
     card = (out / "README.md").read_text()
     assert str(target) in card and record["quantized"]["mode"] in card
     config = json.loads((out / "config.json").read_text())

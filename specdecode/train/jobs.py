@@ -244,6 +244,7 @@ def train_distill(opts: TrainOptions, *, draft: str | None, rank: int, temperatu
     mode = quant.usable_mode(DEFAULT_DRAFT_QUANTIZE, "float32")
     before = distill.quantized_acceptance(llm.draft_model, val)
     student = Student.from_dir(draft_dir, rank=rank, seed=opts.loop.seed).to(device)
+    untrained = distill.evaluate(student, [_to(ex, device) for ex in val])  # before a checkpoint is resumed
     started = time.time()
     fingerprint = config_fingerprint(llm.model_dir)
     checked: dict = {}
@@ -251,6 +252,7 @@ def train_distill(opts: TrainOptions, *, draft: str | None, rank: int, temperatu
     def save(state: LoopState) -> None:
         record = _record(opts, data, state, started, {"draft": draft, "lora_rank": rank, "lora_alpha": student.alpha,
                                                       "responses": responses, "temperature": temperature})
+        record["untrained"] = untrained
         record["quantized"] = {"mode": mode, "untrained": before, **checked}
         config = {**json.loads((draft_dir / "config.json").read_text()), "torch_dtype": "bfloat16",
                   "specdecode": {"distilled_from": draft, "target": opts.model, "target_fingerprint": fingerprint}}
@@ -316,7 +318,7 @@ def _draft_card(opts: TrainOptions, record: dict) -> str:
             f"responses written by {'the draft (on-policy)' if shape['responses'] == 'draft' else 'the data'}\n"
             f"- Training: LoRA rank {shape['lora_rank']} on every linear layer, merged; forward KL to the target; "
             f"{record['steps']} steps in {record['train_seconds']} s\n"
-            f"- Validation, float weights: {measured(val)}\n"
+            f"- Validation, float weights: untrained {measured(record['untrained'])}; trained {measured(val)}\n"
             f"- Validation, {quantized['mode']} as drafted: untrained {measured(quantized['untrained'])}; "
             f"trained {measured(quantized.get('trained'))}\n"
             f"- Command: `{record['command']}`\n")
