@@ -23,6 +23,7 @@ draft, because what the adapters gain must survive 4-bit weights.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,7 +43,7 @@ def draft_responses(draft: Decoder, tokenizer: Tokenizer, max_new_tokens: int, t
     """A function answering a prompt's ids with the draft's own continuation (plain decoding of
     the draft alone, stopping at its end-of-turn token)."""
     engine = Engine(draft, tokenizer, max_seq_len=8192)
-    calls = iter(range(1 << 62))
+    calls = itertools.count()
 
     def respond(prompt: list[int]) -> list[int]:
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + next(calls))

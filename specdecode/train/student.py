@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor, nn
 
+from specdecode.heads.folders import read_weights
 from specdecode.models import kernels
 from specdecode.models.config import ModelConfig
 
@@ -89,11 +89,7 @@ class Student(nn.Module):
         path = Path(path)
         if (path / MARKER_NAME).is_file():
             write_float_weights(path)
-        weights: dict[str, Tensor] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                weights.update({name: f.get_tensor(name) for name in f.keys()})
-        return cls(ModelConfig.from_dir(path), weights, rank, alpha, seed)
+        return cls(ModelConfig.from_dir(path), read_weights(path), rank, alpha, seed)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits [T, V] of every position of ``tokens`` [T]."""
