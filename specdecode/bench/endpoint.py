@@ -43,7 +43,7 @@ class StreamResult:
     total_s: float
     finish_reason: str
     token_count_source: str  # "usage" (reported by the server) or "chunks" (counted here)
-    token_ids: list[int] = field(default_factory=list)  # only from servers that report them (llama.cpp)
+    token_ids: list[int] = field(default_factory=list)  # only from servers that report them (llama.cpp, vLLM)
 
 
 def endpoint_url(base: str, api: str) -> str:
@@ -165,6 +165,7 @@ def _consume(events: Iterator[str], start: float, api: str) -> StreamResult:
         usage = chunk.get("usage") or usage
         token_ids += (chunk.get("__verbose") or {}).get("tokens") or []  # llama.cpp's, when asked for
         for choice in chunk.get("choices") or []:
+            token_ids += choice.get("token_ids") or []  # vLLM's, with return_token_ids
             text = (choice.get("delta") or {}).get("content") if api == "chat" else choice.get("text")
             if text:
                 if ttft is None:

