@@ -55,7 +55,7 @@ class LLM:
         ``draft_quantize``: "int4" (the default) gives the draft's decode steps 4-bit weights
         and one native call per forward (on x86 CPUs with AVX2, else int8 with a warning);
         "int8" gives it int8 weights; either way exactness is unaffected. None or "none" keeps it
-        in ``dtype``. Without fbgemm (non-x86 builds of torch) the draft stays in ``dtype``, warned.
+        in ``dtype``, and the EAGLE and Medusa heads too (they draft in 4 bits otherwise). Without fbgemm (non-x86 builds of torch) the draft stays in ``dtype``, warned.
         ``datastore``: a folder made by ``specdecode index build`` for ``method="suffix"``, which
         also drafts from each prompt and from earlier requests without one.
         ``eagle_head``: a folder holding an EAGLE-3 head for this target (SpecForge or vLLM
@@ -114,7 +114,8 @@ class LLM:
                              if medusa_heads is not None else None)
         self.resources = DraftResources(self.spec, self.target, self.tokenizer, self.draft_model,
                                         self.draft_tokenizer, draft, self.datastore, self.suffix_history,
-                                        lambda: self.self_skip, self.eagle_head, self.medusa_heads)
+                                        lambda: self.self_skip, self.eagle_head, self.medusa_heads,
+                                        quantize_heads=draft_quantize not in (None, "none"))
 
     def _foreign_tokenizer(self, draft: str, draft_path: Path) -> Tokenizer | None:
         """The draft's tokenizer when its drafts must be translated through text (another

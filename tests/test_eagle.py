@@ -242,3 +242,14 @@ def test_batched_requests_get_their_solo_output(llms, tree_width):
     results = _run_concurrently(Scheduler(llm, method="eagle", k=4, max_concurrency=3, max_queue=8), prompts, params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
     assert sum(out.stats.draft_tokens for _, out in results) > 0
+
+
+def test_draft_quantize_none_keeps_the_head_in_floats(target_dir, head_dir):
+    from specdecode.drafters.registry import build_drafter
+    from specdecode.models.quant import DraftLinear
+
+    for mode, packed in (("int4", True), ("none", False)):
+        llm = LLM(model=str(target_dir), eagle_head=str(head_dir), max_seq_len=256, progress=False,
+                  draft_quantize=mode)
+        drafter = build_drafter("eagle", llm.resources, 256)
+        assert any(isinstance(m, DraftLinear) for m in drafter.head.modules()) is packed, mode

@@ -55,7 +55,8 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
                    help="draft weights: int4 (4-bit weights and one native call per draft step, on "
                         "x86 CPUs with AVX2; else int8), int8 (cheaper drafts than float) or none "
-                        "(the --dtype); the output stays exactly the target's either way "
+                        "(the --dtype; trained heads too, which draft in 4 bits otherwise); the output stays "
+                        "exactly the target's either way "
                         "(default: %(default)s)")
 
 

@@ -31,8 +31,10 @@ class MedusaDrafter(Drafter):
     name: ClassVar[str] = "medusa"
     needs_hidden_states: ClassVar[bool] = True
 
-    def __init__(self, heads: MedusaHeads, target: Decoder, confidence: float = 0.0, tree_width: int = 0) -> None:
-        self.heads = quant.draft_copy(heads.eval())  # 4-bit weights: drafts never change the output
+    def __init__(self, heads: MedusaHeads, target: Decoder, confidence: float = 0.0, tree_width: int = 0,
+                 quantize: bool = True) -> None:
+        # 4-bit weights: drafts never change the output, only how often they are accepted
+        self.heads = quant.draft_copy(heads.eval()) if quantize else heads.eval()
         self.hidden_layers = (target.config.num_layers,)  # the last layer's output, before the final norm
         self.norm, self.eps = target.norm.float(), target.config.rms_norm_eps
         self.confidence, self.tree_width = confidence, tree_width

@@ -40,6 +40,7 @@ class DraftResources:
     self_skip: Callable[[], list[int]]  # the layers ``self`` skips, read on first use
     eagle_head: Eagle3Head | None = None  # a trained EAGLE-3 head for this target
     medusa_heads: MedusaHeads | None = None  # trained Medusa heads for this target
+    quantize_heads: bool = True  # heads draft in 4 bits (quant.draft_copy); False with --draft-quantize none
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,14 @@ def _eagle(r: DraftResources, capacity: int) -> Drafter:
     from specdecode.drafters.eagle import EagleDrafter
 
     return EagleDrafter(r.eagle_head, r.target, capacity, r.spec.draft_confidence, r.spec.head_tree_width,
-                        r.spec.head_tree_depth)
+                        r.spec.head_tree_depth, quantize=r.quantize_heads)
 
 
 def _medusa(r: DraftResources, capacity: int) -> Drafter:
     from specdecode.drafters.medusa import MedusaDrafter
 
-    return MedusaDrafter(r.medusa_heads, r.target, r.spec.draft_confidence, r.spec.head_tree_width)
+    return MedusaDrafter(r.medusa_heads, r.target, r.spec.draft_confidence, r.spec.head_tree_width,
+                         quantize=r.quantize_heads)
 
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (
