@@ -62,12 +62,13 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> str:
     """The summary as tables a person reads: methods, peers, categories, advice, failures."""
     lines = _header(summary)
-    llama = any("speedup_vs_llamacpp" in m for m in summary["methods"].values())
-    lines += ["", "| method | K | tok/s | vs none | vs HF " + ("| vs llama.cpp " if llama else "")
+    versus_peers = [(key, label) for key, label in (("speedup_vs_llamacpp", "vs llama.cpp"), ("speedup_vs_vllm", "vs vLLM"))
+                    if any(key in m for m in summary["methods"].values())]
+    lines += ["", "| method | K | tok/s | vs none | vs HF " + "".join(f"| {label} " for _, label in versus_peers)
               + "| tau | tokens/forward | acceptance | TTFT s | TPOT ms | identical | limit tok/s | efficiency |",
-              "|---|---|---|---|---" + ("|---" if llama else "") + "|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---" + "|---" * len(versus_peers) + "|---|---|---|---|---|---|---|---|"]
     for name, m in summary["methods"].items():
-        versus = f"| {_fmt(m.get('speedup_vs_llamacpp'), '.2f', 'x')} " if llama else ""
+        versus = "".join(f"| {_fmt(m.get(key), '.2f', 'x')} " for key, _ in versus_peers)
         lines.append(
             f"| {name} | {_fmt(m.get('k'), 'd')} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup_vs_none'], '.2f', 'x')} "
             f"| {_fmt(m.get('speedup_vs_hf'), '.2f', 'x')} {versus}| {_fmt(m['mean_acceptance_length'])} "

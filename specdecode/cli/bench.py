@@ -415,7 +415,8 @@ def _command(args: argparse.Namespace) -> str:
     options = (("--draft", args.draft), ("--compare-drafts", args.compare_drafts), ("--methods", args.methods), ("--workload", args.workload),
                ("--dataset", args.dataset), ("--limit", args.limit), ("--max-tokens", args.max_tokens),
                ("--temperature", args.temperature), ("--seed", args.seed), ("--peers", args.peers),
-               ("--vllm-args", args.vllm_args or None),
+               ("--vllm-args", args.vllm_args or None), ("--eagle-head", getattr(args, "eagle_head", None)),
+               ("--medusa-heads", getattr(args, "medusa_heads", None)),
                ("--repeat", args.repeat), ("--dtype", args.dtype), ("--max-seq-len", args.max_seq_len),
                ("--endpoint", args.endpoint), ("--draft-quantize", args.draft_quantize),
                ("--quantize", getattr(args, "quantize", None)))
