@@ -160,6 +160,7 @@ def test_vllm_peer_serves_each_export_and_reads_tau_from_its_counters(tiny_pair,
             assert r["spec"]["num_speculative_tokens"] == 3
     report = (out / "summary.md").read_text()
     assert "| vllm_draft_model |" in report and "vllm_draft_model.log" in os.listdir(out)
+    assert "| vs vLLM |" in report and all(m["speedup_vs_vllm"] > 0 for m in summary["methods"].values())
 
 
 def test_a_vllm_server_that_dies_is_a_named_error_and_the_rest_is_kept(tiny_pair, stub_python, tmp_path,
