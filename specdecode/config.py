@@ -112,6 +112,10 @@ class SpecConfig:
     most K nodes, expanding the w most probable paths by their w most probable tokens."""
     head_tree_depth: int = 6
     """The deepest level such a tree reaches."""
+    synthetic_acceptance: tuple[float, ...] | None = None
+    """For benchmarks only: draft position i is kept with probability ``rates[min(i, len - 1)]``
+    given the earlier ones were, whatever the target says, so the output is *not* the target's
+    (``sample/synthetic.py``). None (the default): the exact rules."""
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_NAMES:
@@ -132,6 +136,11 @@ class SpecConfig:
         if self.head_tree_width < 0 or self.head_tree_depth < 1:
             raise InvalidConfigError(f"need head_tree_width >= 0 and head_tree_depth >= 1, got "
                                      f"{self.head_tree_width} and {self.head_tree_depth}")
+        if self.synthetic_acceptance is not None:
+            rates = tuple(float(r) for r in self.synthetic_acceptance)
+            if not rates or not all(0.0 <= r <= 1.0 for r in rates):
+                raise InvalidConfigError(f"synthetic_acceptance takes rates in [0, 1], got {self.synthetic_acceptance}")
+            object.__setattr__(self, "synthetic_acceptance", rates)
         if self.lookahead_window < 1 or self.lookahead_ngram < 2 or self.lookahead_candidates < 0:
             raise InvalidConfigError(
                 "lookahead needs window >= 1, ngram >= 2 and candidates >= 0; got "

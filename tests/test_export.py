@@ -53,6 +53,9 @@ def test_a_draft_model_export_holds_what_vllm_serve_reads(tiny_pair, tmp_path):
         assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "float32"
         ours, theirs = load_file(source / "model.safetensors"), load_file(folder / "model.safetensors")
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        linked = folder / "model.safetensors"
+        assert linked.stat().st_ino == (source / "model.safetensors").stat().st_ino  # no second copy
+        assert not linked.stat().st_mode & 0o222  # read-only: an in-place edit would reach the cache
     record = json.loads((out / "export.json").read_text())
     assert record["method"] == "draft_model" and record["k"] == 3 and record["speculative_config"] == config
     assert record["serve"][:3] == ["vllm", "serve", "./target"] and record["vllm_version"] == "0.32.0"
@@ -190,6 +193,19 @@ def test_methods_vllm_lacks_are_refused_with_the_nearest_named(tiny_pair, tmp_pa
     assert "Traceback" not in err and not out.exists()
 
 
+def test_a_bench_without_advice_or_a_bad_head_writes_nothing(tiny_pair, tmp_path, capsys):
+    target, _ = tiny_pair
+    bench_dir = tmp_path / "bench"
+    bench_dir.mkdir()
+    (bench_dir / "summary.json").write_text(json.dumps({"advice": {"best_method": None, "reason": "no baseline"}}))
+    code, out = export(tmp_path, "--model", str(target), "--from-bench", str(bench_dir))
+    assert code == 2 and "names no method (no baseline)" in capsys.readouterr().err and not out.exists()
+    wrong = save_eagle3(random_head(ModelConfig.from_dir(make_tiny_llm(tmp_path / "other", "qwen2", num_hidden_layers=8))),
+                        tmp_path / "head", target_name="other", target_fingerprint="0123456789abcdef")
+    code, out = export(tmp_path, "--model", str(target), "--eagle-head", str(wrong), out="eagle")
+    assert code == 2 and "does not fit this target" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--method", "ngram", "--draft", "x"], "--draft applies to method draft_model"),
     (["--method", "eagle"], "needs --eagle-head"),
@@ -208,6 +224,7 @@ def test_an_out_folder_that_is_not_an_export_is_left_alone(tiny_pair, tmp_path, 
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
+    (mine / "export.json").write_text('{"name": "some other tool"}')  # a file of that name is not enough
     code = main(["export", "vllm", "--no-progress", "--model", str(target), "--method", "ngram", "--out", str(mine)])
     assert code == 2 and "is not an earlier export" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me"

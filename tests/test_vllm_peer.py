@@ -50,6 +50,7 @@ served = flag("--served-model-name")
 totals = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
 per_pos = [0] * (spec["num_speculative_tokens"] if spec else 0)
 log = os.environ.get("STUB_LOG")
+served_requests = []
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -81,6 +82,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        served_requests.append(1)
+        if len(served_requests) > int(os.environ.get("STUB_DIE_AFTER", "1000000")):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x", "token_ids": [1]}]}\n\n')
+            self.wfile.flush()
+            os._exit(1)  # dies mid-stream, as a server killed for memory would
         params = SamplingParams(max_tokens=body["max_tokens"], temperature=0.0)
         k = spec["num_speculative_tokens"] if spec else None
         out = llm.generate(body["prompt"], params, ours, k, adaptive=False)[0]
@@ -155,9 +164,11 @@ def test_vllm_peer_serves_each_export_and_reads_tau_from_its_counters(tiny_pair,
         assert "--no-enable-prefix-caching" in argv and argv[argv.index("--max-model-len") + 1] == "512"
         assert all(isinstance(t, int) for t in r["body"]["prompt"]) and r["body"]["return_token_ids"] is True
         assert r["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
-        if r["spec"]:
-            assert r["spec"] == json.loads((Path(r["cwd"]) / "speculative_config.json").read_text())
-            assert r["spec"]["num_speculative_tokens"] == 3
+        expected = {"vllm_target": None,
+                    "vllm_ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 4},
+                    "vllm_draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": "./draft"}}
+        assert r["spec"] == expected[Path(r["cwd"]).name]
     report = (out / "summary.md").read_text()
     assert "| vllm_draft_model |" in report and "vllm_draft_model.log" in os.listdir(out)
     assert "| vs vLLM |" in report and all(m["speedup_vs_vllm"] > 0 for m in summary["methods"].values())
@@ -173,6 +184,17 @@ def test_a_vllm_server_that_dies_is_a_named_error_and_the_rest_is_kept(tiny_pair
     assert [e["peer"] for e in summary["peer_errors"]] == ["vllm_target", "vllm_ngram", "vllm_draft_model"]
     assert set(summary["methods"]) == {"none", "ngram", "draft_model", "lookahead"}  # ours were kept
     assert "## Peers that could not run" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_a_vllm_server_that_dies_mid_run_leaves_no_partial_figures(tiny_pair, stub_python, tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setenv("STUB_DIE_AFTER", "2")  # the warm-up and the first prompt, then it dies
+    code, summary, rows = _vllm_bench(tmp_path, tiny_pair, stub_python)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "closed the connection mid-answer" in err
+    assert [e["peer"] for e in summary["peer_errors"]] == ["vllm_target", "vllm_ngram", "vllm_draft_model"]
+    assert summary["peers"] == {} and not [r for r in rows if r["kind"] == "peer"]
+    assert set(summary["methods"]) == {"none", "ngram", "draft_model", "lookahead"}
 
 
 def test_counters_are_summed_over_engines_and_created_lines_ignored():

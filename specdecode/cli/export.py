@@ -73,7 +73,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     out = write_export(plan, args.out, _command(args), progress)
     print(f"exported {plan.method}" + (f" (vLLM {plan.vllm_method}, K={plan.k})" if plan.vllm_method else "")
           + f" to {out}", file=sys.stderr)
-    print(f"run: {out / 'serve.sh'} [--tensor-parallel-size N]")
+    print(f"run: {shlex.quote(str(out / 'serve.sh'))} [--tensor-parallel-size N]")
     return 0
 
 

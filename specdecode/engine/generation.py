@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdecode.sample.synthetic import verify_synthetic
 from specdecode.sample.verify import verify
 from specdecode.models.cache import KVCache
 from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpecConfig
@@ -74,6 +75,7 @@ class Generation:
         self.draft_length = DraftLength(spec.num_speculative_tokens,
                                         spec.adaptive and (drafter is None or drafter.adapts_length))
         self.stops = StopChecker(tokenizer, params)
+        self.synthetic = spec.synthetic_acceptance  # None: the exact rules (see sample/synthetic.py)
         self.proposal = EMPTY_PROPOSAL
         # What every target forward of this request captures for the drafter (None: nothing).
         self.capture = (HiddenCapture(drafter.hidden_layers)
@@ -137,7 +139,10 @@ class Generation:
         the rejected drafts from the cache, tell the drafter. ``forward_s``: the forward's time."""
         _check_finite(logits)
         seq, proposal, stats = self.seq, self.proposal, self.stats
-        result = verify(proposal, logits, seq.params, seq.generator)
+        if self.synthetic is not None and proposal.k:
+            result = verify_synthetic(proposal, logits, seq.params, self.synthetic, seq.generator)
+        else:
+            result = verify(proposal, logits, seq.params, seq.generator)
         self.cache.commit(result, proposal.k + 1)
         stats.verify_s += forward_s
         stats.target_steps += 1

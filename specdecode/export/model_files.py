@@ -7,7 +7,9 @@ beside them, and leaves our records out.
 
 Weights already in the wanted dtype are hard-linked when the export lies on the same file
 system (a 7 GB target costs no disk and no time), else copied; weights in another dtype are cast
-tensor by tensor. Either way a progress bar counts the bytes.
+and streamed tensor by tensor (one tensor in memory at a time). A hard link shares its bytes with
+the source, so both names are made read-only: rewriting the export's weights in place would
+rewrite the cache's. A progress bar counts the bytes.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from specdecode.errors import UnsupportedModelError
+from specdecode.export.vllm import EXPORT_DTYPES
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
             "model.safetensors.index.json")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _CHUNK = 64 << 20
 
 
@@ -59,8 +62,9 @@ def stored_dtype(model_dir: Path) -> str:
     return "float32"
 
 
-def write_model_folder(src: Path, dest: Path, dtype: str, progress: bool = True) -> Path:
-    """Write ``src``'s HF files and weights into the new folder ``dest``, weights in ``dtype``."""
+def write_model_folder(src: Path, dest: Path, dtype: str | None, progress: bool = True) -> Path:
+    """Write ``src``'s HF files and weights into the new folder ``dest``, weights in ``dtype``
+    (None: as stored)."""
     from tqdm import tqdm
 
     src, dest = Path(src), Path(dest)
@@ -68,6 +72,7 @@ def write_model_folder(src: Path, dest: Path, dtype: str, progress: bool = True)
     for name in HF_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dest / name)
+    dtype = dtype or stored_dtype(src)
     _set_config_dtype(dest / "config.json", dtype)
     files = weight_files(src)
     same = stored_dtype(src) == dtype
@@ -92,6 +97,7 @@ def _set_config_dtype(config_path: Path, dtype: str) -> None:
 def _link_or_copy(src: Path, dest: Path, bar: object) -> None:
     try:
         os.link(src, dest)
+        os.chmod(dest, dest.stat().st_mode & ~0o222)  # one inode: read-only under both names
         bar.update(src.stat().st_size)  # type: ignore[attr-defined]
         return
     except OSError:
@@ -108,10 +114,38 @@ def _chunks(handle) -> Iterable[bytes]:  # type: ignore[no-untyped-def]
 
 
 def _cast(src: Path, dest: Path, dtype: torch.dtype) -> None:
-    tensors = {}
+    """Stream ``src``'s tensors into ``dest`` as safetensors, floats cast to ``dtype``: the header
+    first (shapes are known), then one tensor at a time."""
     with safe_open(str(src), framework="pt") as f:
-        metadata = f.metadata() or {"format": "pt"}
-        for name in f.keys():
-            tensor = f.get_tensor(name)
-            tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    save_file(tensors, str(dest), metadata=metadata)
+        names = list(f.keys())
+        header: dict[str, object] = {"__metadata__": f.metadata() or {"format": "pt"}}
+        offset = 0
+        for name in names:
+            view = f.get_slice(name)
+            kept = view.get_dtype() not in ("F32", "BF16", "F16")
+            code = view.get_dtype() if kept else _SAFETENSORS_DTYPES[dtype]
+            size = _nbytes(view.get_shape(), code)
+            header[name] = {"dtype": code, "shape": list(view.get_shape()), "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(dest, "wb") as out:
+            out.write(len(blob).to_bytes(8, "little"))
+            out.write(blob)
+            for name in names:
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                out.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    if dest.stat().st_size != 8 + len(blob) + offset:
+        raise OSError(f"short write of {dest}")
+
+
+_ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _nbytes(shape: list[int], code: str) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * _ITEM_BYTES[code]

@@ -13,9 +13,9 @@ from typing import Any
 
 from specdecode.config import DEFAULT_DRAFTS
 from specdecode.errors import InvalidConfigError
-from specdecode.export.vllm import DEFAULT_VLLM_K, ExportPlan, vllm_method
+from specdecode.export.vllm import DEFAULT_VLLM_K, EXPORT_DTYPES, ExportPlan, vllm_method
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = EXPORT_DTYPES
 
 
 def bench_advice(bench_dir: Path, method: str | None) -> tuple[str, int | None, dict[str, Any]]:
@@ -30,7 +30,13 @@ def bench_advice(bench_dir: Path, method: str | None) -> tuple[str, int | None, 
                                  "`specdecode bench` run") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InvalidConfigError(f"--from-bench {bench_dir}: summary.json is unreadable ({exc})") from None
-    chosen = method or advice.get("best_method") or "none"
+    if summary.get("synthetic_acceptance"):
+        raise InvalidConfigError(f"--from-bench {bench_dir}: that run forced its acceptance "
+                                 "(--synthetic-acceptance); hand over a real run's advice")
+    chosen = method or advice.get("best_method")
+    if chosen is None:
+        raise InvalidConfigError(f"--from-bench {bench_dir}: its advice names no method ({advice.get('reason', '')}); "
+                                 "pass --method")
     if chosen == "none":
         return chosen, None, summary
     entry = (advice.get("per_method") or {}).get(chosen)
@@ -43,8 +49,10 @@ def bench_advice(bench_dir: Path, method: str | None) -> tuple[str, int | None, 
 
 def plan_export(*, model: str | None, method: str | None, draft: str | None, eagle_head: str | None,
                 medusa_heads: str | None, k: int | None, from_bench: Path | None, dtype: str | None,
-                tensor_parallel_size: int, progress: bool = True) -> ExportPlan:
-    """Check the inputs and resolve models; raises ``InvalidConfigError`` and friends with the fix."""
+                tensor_parallel_size: int, progress: bool = True, cast_weights: bool = True) -> ExportPlan:
+    """Check the inputs and resolve models; raises ``InvalidConfigError`` and friends with the fix.
+    ``cast_weights=False`` keeps the weights as stored (hard-linked) and lets vLLM cast them to
+    ``dtype`` when it loads them (the bench's exports: no gigabytes written per contestant)."""
     from specdecode.models.catalog import resolve_model
 
     if tensor_parallel_size < 1:
@@ -93,6 +101,7 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
             flag = "--eagle-head" if method == "eagle" else "--medusa-heads"
             raise InvalidConfigError(f"method {method} needs {flag} DIR (a head made by `specdecode train`)")
         head = Path(head_arg)
+        _check_head(method, head, target)
     elif eagle_head or medusa_heads:
         raise InvalidConfigError(f"--eagle-head and --medusa-heads apply to methods eagle and medusa, not {method}")
     if vmethod is None:
@@ -111,7 +120,7 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
     return ExportPlan(method=method, vllm_method=vmethod, k=k, k_source=k_source, target=target,
                       target_name=_served_name(model, target), dtype=chosen_dtype,
                       tensor_parallel_size=tensor_parallel_size, draft=draft_dir, heterogeneous_vocab=heterogeneous,
-                      head=head, notes=notes)
+                      head=head, notes=notes, cast_weights=cast_weights)
 
 
 def _implied_method(draft: str | None, eagle_head: str | None, medusa_heads: str | None) -> str:
@@ -122,12 +131,29 @@ def _implied_method(draft: str | None, eagle_head: str | None, medusa_heads: str
     return "draft_model"
 
 
+def _check_head(method: str, head: Path, target: Path) -> None:
+    """Load the head once and check it fits the target, before any weights are written."""
+    from specdecode.models.config import ModelConfig
+
+    config = ModelConfig.from_dir(target)
+    if method == "eagle":
+        from specdecode.heads.eagle3_format import load_head_for
+
+        load_head_for(head, config, target)
+    else:
+        from specdecode.heads.medusa_format import load_medusa_for
+
+        load_medusa_for(head, config, target)
+
+
 def _medusa_k(head: Path, k: int | None, k_source: str) -> tuple[int, str]:
     """vLLM builds exactly K Medusa heads: K must not exceed the folder's heads (default: all)."""
     from specdecode.heads.folders import read_config
 
     config = read_config(head)
     heads = int(config.get("num_heads") or config.get("medusa_num_heads") or 0)
+    if heads < 1:
+        raise InvalidConfigError(f"{head}/config.json names no Medusa heads (num_heads)")
     if k is None:
         return heads, f"the number of Medusa heads in {head} (vLLM builds K heads)"
     if k > heads:
@@ -147,4 +173,6 @@ def _same_vocabulary(target: Path, draft: Path) -> bool:
 
 def _served_name(model: str, target: Path) -> str:
     """The catalog name as given, else the folder's name: what clients send as ``model``."""
-    return Path(model).name if ("/" in model or Path(model).exists()) else model
+    if Path(model).exists():
+        return Path(model).resolve().name.removesuffix(".gguf")
+    return model.rstrip("/").rsplit("/", 1)[-1]

