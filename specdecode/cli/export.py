@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from specdecode.drafters.registry import METHOD_NAMES
-from specdecode.export.plan import DTYPES
-from specdecode.export.vllm import DEFAULT_VLLM_K, NEAREST, VLLM_METHODS
+from specdecode.export.vllm import DEFAULT_VLLM_K, EXPORT_DTYPES, NEAREST, VLLM_METHODS
 
 EPILOG = """\
 Methods: none, ngram, draft_model, eagle (vLLM's eagle3), medusa and suffix have vLLM counterparts;
@@ -50,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ks.add_argument("--from-bench", type=Path, default=None, metavar="DIR",
                     help="a `specdecode bench --out DIR` folder: hand over its advised method (unless --method) "
                          "at the K that served it best there")
-    v.add_argument("--dtype", choices=DTYPES, default=None,
+    v.add_argument("--dtype", choices=EXPORT_DTYPES, default=None,
                    help="weights dtype written and served (default: as stored; float32 for catalog models, "
                         "what specdecode's outputs are compared in)")
     v.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",

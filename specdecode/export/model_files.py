@@ -29,8 +29,9 @@ from specdecode.export.vllm import EXPORT_DTYPES
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
             "model.safetensors.index.json")
-DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# Our dtype names and safetensors' codes for them, one table read both ways.
+_CODES = dict(zip(EXPORT_DTYPES, ("F32", "BF16", "F16")))
+_NAMES = {code: name for name, code in _CODES.items()}
 _CHUNK = 64 << 20
 
 
@@ -57,8 +58,8 @@ def stored_dtype(model_dir: Path) -> str:
         for name in f.keys():
             tensor = f.get_slice(name)
             dtype = tensor.get_dtype()
-            if dtype in ("F32", "BF16", "F16"):
-                return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[dtype]
+            if dtype in _NAMES:
+                return _NAMES[dtype]
     return "float32"
 
 
@@ -83,7 +84,7 @@ def write_model_folder(src: Path, dest: Path, dtype: str | None, progress: bool 
             if same:
                 _link_or_copy(path, dest / path.name, bar)
             else:
-                _cast(path, dest / path.name, DTYPES[dtype])
+                _cast(path, dest / path.name, dtype)
                 bar.update(path.stat().st_size)
     return dest
 
@@ -113,7 +114,7 @@ def _chunks(handle) -> Iterable[bytes]:  # type: ignore[no-untyped-def]
         yield chunk
 
 
-def _cast(src: Path, dest: Path, dtype: torch.dtype) -> None:
+def _cast(src: Path, dest: Path, dtype: str) -> None:
     """Stream ``src``'s tensors into ``dest`` as safetensors, floats cast to ``dtype``: the header
     first (shapes are known), then one tensor at a time."""
     with safe_open(str(src), framework="pt") as f:
@@ -122,8 +123,7 @@ def _cast(src: Path, dest: Path, dtype: torch.dtype) -> None:
         offset = 0
         for name in names:
             view = f.get_slice(name)
-            kept = view.get_dtype() not in ("F32", "BF16", "F16")
-            code = view.get_dtype() if kept else _SAFETENSORS_DTYPES[dtype]
+            code = _CODES[dtype] if view.get_dtype() in _NAMES else view.get_dtype()  # floats are cast
             size = _nbytes(view.get_shape(), code)
             header[name] = {"dtype": code, "shape": list(view.get_shape()), "data_offsets": [offset, offset + size]}
             offset += size
@@ -135,7 +135,7 @@ def _cast(src: Path, dest: Path, dtype: torch.dtype) -> None:
             for name in names:
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
+                    tensor = tensor.to(getattr(torch, dtype))
                 out.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     if dest.stat().st_size != 8 + len(blob) + offset:
         raise OSError(f"short write of {dest}")

@@ -11,11 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specdecode.config import DEFAULT_DRAFTS
+from specdecode.config import DEFAULT_DRAFTS, DEFAULT_MODEL
 from specdecode.errors import InvalidConfigError
 from specdecode.export.vllm import DEFAULT_VLLM_K, EXPORT_DTYPES, ExportPlan, vllm_method
-
-DTYPES = EXPORT_DTYPES
 
 
 def bench_advice(bench_dir: Path, method: str | None) -> tuple[str, int | None, dict[str, Any]]:
@@ -59,8 +57,8 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
         raise InvalidConfigError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     if k is not None and not 1 <= k <= 32:
         raise InvalidConfigError(f"-k must be in [1, 32], got {k}")
-    if dtype is not None and dtype not in DTYPES:
-        raise InvalidConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise InvalidConfigError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if eagle_head and medusa_heads:
         raise InvalidConfigError("pass --eagle-head or --medusa-heads, not both: vLLM runs one drafter per server")
     k_source = "-k"
@@ -74,12 +72,8 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
         if (summary.get("settings") or {}).get("k_schedule") != "fixed" and method != "none":
             notes.append("The bench ran K adaptively (up to K) and vLLM drafts K every step; "
                          "`specdecode bench --k-schedule fixed --sweep-k 2,3,4,5,6` measures the K to hand over.")
-    model = model or summary.get("model") or None
-    if model is None:
-        from specdecode.config import DEFAULT_MODEL
-
-        model = DEFAULT_MODEL
-    method = method or _implied_method(draft, eagle_head, medusa_heads)
+    model = model or summary.get("model") or DEFAULT_MODEL
+    method = method or _implied_method(eagle_head, medusa_heads)
     vmethod = vllm_method(method)
     target = resolve_model(model, progress)
     draft_dir = head = None
@@ -123,7 +117,7 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
                       head=head, notes=notes, cast_weights=cast_weights)
 
 
-def _implied_method(draft: str | None, eagle_head: str | None, medusa_heads: str | None) -> str:
+def _implied_method(eagle_head: str | None, medusa_heads: str | None) -> str:
     if eagle_head:
         return "eagle"
     if medusa_heads:
