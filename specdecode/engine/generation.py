@@ -77,6 +77,7 @@ class Generation:
         self.stops = StopChecker(tokenizer, params)
         self.synthetic = spec.synthetic_acceptance  # None: the exact rules (see sample/synthetic.py)
         self.proposal = EMPTY_PROPOSAL
+        self.k_cap: int | None = None  # a per-step limit on K set by the server under load (None: none)
         # What every target forward of this request captures for the drafter (None: nothing).
         self.capture = (HiddenCapture(drafter.hidden_layers)
                         if drafter is not None and drafter.needs_hidden_states else None)
@@ -108,18 +109,31 @@ class Generation:
                 self.drafter.observe_hidden(self.capture.take())
         return StreamEvent(self.stops.take_text(), new)
 
-    def plan(self) -> Tensor | None:
-        """Draft this step; return the verify inputs (last token + drafts), or None when the
-        context is full (the request then finishes with ``length``)."""
+    def draft_budget(self) -> int:
+        """How many drafts the drafter may propose this step (0: none, the step is plain).
+
+        Drafts plus the one token every step adds must fit ``max_tokens`` and the context, as in
+        plain decoding; ``k_cap`` (set by a server under load) lowers K for this step only.
+        """
         seq, params = self.seq, self.seq.params
+        k = self.draft_length.k if self.k_cap is None else min(self.draft_length.k, self.k_cap)
+        return max(0, min(k, params.max_tokens - seq.num_generated - 1, self.max_seq_len - len(seq.token_ids) - 1))
+
+    def plan(self, proposal: DraftProposal | None = None) -> Tensor | None:
+        """Draft this step; return the verify inputs (last token + drafts), or None when the
+        context is full (the request then finishes with ``length``).
+
+        ``proposal``: drafts already made for this step by a caller that drafted for several
+        requests at once (at most ``draft_budget()`` of them); None asks the drafter here.
+        """
+        seq = self.seq
         if len(seq.token_ids) >= self.max_seq_len:
             self.stops.mark_length()
             return None
-        # Drafts plus the one token every step adds must fit both limits, as in plain decoding.
-        budget = min(self.draft_length.k, params.max_tokens - seq.num_generated - 1,
-                     self.max_seq_len - len(seq.token_ids) - 1)
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
+        if proposal is None:
+            budget = self.draft_budget()
+            proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
         # A tree may hold more nodes than its depth: keep it within the cache and the widest
         # verify call the invariant kernels serve.
         room = min(MAX_SPECULATIVE_TOKENS, self.cache.capacity - self.cache.length - 1)
