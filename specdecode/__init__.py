@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from specdecode.config import SamplingParams, SpecConfig
+from specdecode.config import Constraint, SamplingParams, SpecConfig
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
     from specdecode.api import LLM
     from specdecode.engine.generation import GenerationOutput
 
-__all__ = ["LLM", "GenerationOutput", "SamplingParams", "SpecConfig", "SpecDecodeError"]
+__all__ = ["LLM", "Constraint", "GenerationOutput", "SamplingParams", "SpecConfig", "SpecDecodeError"]
 __version__ = "0.1.0"
 
 

@@ -40,6 +40,40 @@ GREEDY_BELOW = 1e-5
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match; ``sample/grammar.py`` compiles it and masks the target with it.
+
+    ``kind``: ``json_object`` (any JSON object; ``spec`` unused), ``json_schema`` (``spec`` is the
+    schema as JSON text), ``regex``, ``grammar`` (a Lark grammar; llguidance also reads GBNF
+    written as Lark) or ``choice`` (``spec`` is a JSON list of the allowed strings).
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidSamplingParamsError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                                             f"got {self.kind!r}")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidSamplingParamsError(f"a {self.kind} constraint needs its {self.kind.replace('_', ' ')}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> Constraint:
+        import json
+
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def choice(cls, options: list[str]) -> Constraint:
+        import json
+
+        return cls("choice", json.dumps(list(options)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +87,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n: the chosen token's logprob and the n most likely
+    constraint: Constraint | None = None  # structured output: the grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string is a common call shape
@@ -72,6 +108,13 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise InvalidSamplingParamsError(f"seed must be an integer in [-2**63, 2**64 - 1] (what torch's "
                                              f"generator takes), got {str(self.seed)[:40]}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidSamplingParamsError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidSamplingParamsError("constraint must be a specdecode.Constraint")
+        if self.constraint is not None and self.ignore_eos:
+            raise InvalidSamplingParamsError("ignore_eos cannot be combined with a constraint: once the grammar is "
+                                             "complete, end of sequence is the only token it allows")
 
     @property
     def greedy(self) -> bool:

@@ -69,3 +69,7 @@ class HeadMismatchError(SpecDecodeError):
 
 class CheckpointError(SpecDecodeError):
     """A head or training checkpoint folder that is missing, incomplete or unreadable."""
+
+
+class InvalidConstraintError(SpecDecodeError, ValueError):
+    """A structured-output constraint that does not compile (a bad JSON schema, regex or grammar)."""

@@ -42,7 +42,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ... as texts
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        self._control_texts = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+        added = backend.get_added_tokens_decoder()
+        self._control_texts = [t.content for t in added.values() if t.special]
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._literal: tokenizers.Tokenizer | None = None  # encodes special-token texts as plain text
 
     @classmethod
@@ -81,6 +83,18 @@ class Tokenizer:
 
     def token_to_id(self, text: str) -> int | None:
         return self.backend.token_to_id(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8
+        character); special tokens give their text. Used for logprobs' ``bytes``."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._special_ids:
+            to_byte = _unicode_to_bytes()
+            if all(ch in to_byte for ch in piece):
+                return bytes(to_byte[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(
         self,
@@ -278,6 +292,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     extra = (b for b in range(256) if b not in mapping)
     mapping.update({b: chr(256 + n) for n, b in enumerate(extra)})
     return mapping
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
 # --- tokenizer files from GGUF metadata ----------------------------------------------------------

@@ -335,18 +335,36 @@ BAD_REQUESTS = [
      "messages.0.role", "tools"),
     # options OpenAI has and we do not: a clear 400, never silence
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "n": 2}, 400, "n", "n > 1"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "a", "logprobs": 2}, 400, "logprobs", "not supported"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo", "not supported"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "best_of": 3}, 400, "best_of", "not supported"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "suffix": "z"}, 400, "suffix", "not supported"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
     (CHAT, {"model": MODEL, "messages": MSG, "n": 3}, 400, "n", "n > 1"),
-    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True}, 400, "logprobs", "not supported"),
+    (CHAT, {"model": MODEL, "messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs"),
+    (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "between"),
     (CHAT, {"model": MODEL, "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools", "not supported"),
-    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "json_object"),
+    # structured output that cannot be honoured
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format.type",
+     "json_schema"),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format",
+     "needs a json_schema"),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_object"},
+            "structured_outputs": {"regex": "a+"}}, 400, "response_format", "one output constraint"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "structured_outputs": {}}, 400, "response_format", "needs one of"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "[a-"}}, 400,
+     "structured_outputs.regex", "not valid"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "structured_outputs": {"json": {"type": "objectx"}}}, 400,
+     "structured_outputs.json", "not valid"),
+    (CHAT, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_schema", "json_schema":
+            {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, 400,
+     "response_format", "not valid"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "structured_outputs": {"grammar": "start: ("}}, 400,
+     "structured_outputs.grammar", "not valid"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "ignore_eos": True, "response_format": {"type": "json_object"}},
+     400, "ignore_eos", "structured output"),
 ]
 
 
@@ -473,7 +491,8 @@ _valid = {
          "messages": st.lists(_message, min_size=1, max_size=3)}, optional=_options),
 }
 _mutation = st.one_of(st.tuples(st.just("set"), st.sampled_from(["model", "prompt", "messages", *_options,
-                                                                  "max_completion_tokens", "logprobs", "tools"]),
+                                                                  "max_completion_tokens", "logprobs", "tools",
+                                                                  "response_format", "structured_outputs"]),
                                 _json),
                       st.tuples(st.just("set"), st.text(max_size=10), _json),
                       st.tuples(st.just("drop"), st.sampled_from(["model", "prompt", "messages"]), st.none()))

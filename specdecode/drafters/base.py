@@ -82,6 +82,18 @@ class DraftProposal:
         parents = None if self.parents is None else self.parents[:n]
         return DraftProposal(self.tokens[:n], probs, parents)
 
+    def kept(self, nodes: list[int]) -> "DraftProposal":
+        """Only the drafts ``nodes`` (ascending; each kept draft's parent kept too)."""
+        if nodes == list(range(self.k)):
+            return self
+        if self.parents is None:
+            if nodes != list(range(len(nodes))):
+                raise ValueError("a chain keeps a prefix of its drafts")
+            return self.truncated(len(nodes))
+        index = {node: j for j, node in enumerate(nodes)}
+        parents = tuple(-1 if self.parents[n] < 0 else index[self.parents[n]] for n in nodes)
+        return DraftProposal(self.tokens[nodes], None, parents)
+
     @property
     def is_tree(self) -> bool:
         return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))

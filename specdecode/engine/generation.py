@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdecode.sample.grammar import GrammarCompiler, TokenGrammar, apply_mask
+from specdecode.sample.logprobs import TokenLogprob, token_logprobs
 from specdecode.sample.synthetic import verify_synthetic
 from specdecode.sample.verify import verify
 from specdecode.models.cache import KVCache
@@ -37,6 +39,7 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     method: str
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
 
 
 # Prompt tokens per prefill forward. A server runs other requests' decode steps between chunks, so
@@ -50,6 +53,7 @@ class StreamEvent:
     text: str  # newly final text (never retracted)
     token_ids: list[int]  # tokens committed in this step
     output: GenerationOutput | None = None  # set on the last event
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # token_ids' logprobs, when asked
 
 
 class Generation:
@@ -64,7 +68,7 @@ class Generation:
     """
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, spec: SpecConfig,
-                 tokenizer: Tokenizer, cache: KVCache, max_seq_len: int) -> None:
+                 tokenizer: Tokenizer, cache: KVCache, max_seq_len: int, grammar: TokenGrammar | None = None) -> None:
         self.started = time.perf_counter()
         self.cache, self.drafter, self.max_seq_len = cache, drafter, max_seq_len
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
@@ -78,6 +82,9 @@ class Generation:
         self.synthetic = spec.synthetic_acceptance  # None: the exact rules (see sample/synthetic.py)
         self.proposal = EMPTY_PROPOSAL
         self.k_cap: int | None = None  # a per-step limit on K set by the server under load (None: none)
+        self.grammar = grammar  # structured output: masks every position (sample/grammar.py)
+        self.forced_step = False  # this step's drafts are tokens the grammar forced, not the drafter's
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # What every target forward of this request captures for the drafter (None: nothing).
         self.capture = (HiddenCapture(drafter.hidden_layers)
                         if drafter is not None and drafter.needs_hidden_states else None)
@@ -101,23 +108,48 @@ class Generation:
         """Take the prefill's last-row logits [1, V]: pick the first token, start the drafter."""
         _check_finite(logits)
         self.stats.prefill_s = time.perf_counter() - self.started
+        if self.grammar is not None:
+            logits = apply_mask(logits, self.grammar.mask().unsqueeze(0))
         new = self.stops.push(self.seq, [_pick(logits, self.seq)])
         self.stats.ttft_s = time.perf_counter() - self.started
         if self.drafter is not None and not self.finished:
             self.drafter.begin(self.seq)
             if self.capture is not None:
                 self.drafter.observe_hidden(self.capture.take())
-        return StreamEvent(self.stops.take_text(), new)
+        return self._event(new, logits)
+
+    def _event(self, new: list[int], rows: Tensor) -> StreamEvent:
+        """The step's event for the committed tokens ``new``, chosen on ``rows`` (one per token);
+        moves the grammar past them and records their logprobs."""
+        if self.grammar is not None and not self.finished:
+            self.grammar.advance(new)
+        logprobs = []
+        if self.logprobs is not None:
+            logprobs = token_logprobs(rows, new, self.seq.params.logprobs or 0)
+            self.logprobs += logprobs
+        return StreamEvent(self.stops.take_text(), new, logprobs=logprobs)
 
     def draft_budget(self) -> int:
         """How many drafts the drafter may propose this step (0: none, the step is plain).
 
         Drafts plus the one token every step adds must fit ``max_tokens`` and the context, as in
-        plain decoding; ``k_cap`` (set by a server under load) lowers K for this step only.
+        plain decoding; ``k_cap`` (set by a server under load) lowers K for this step only. A step
+        whose drafts the grammar forces needs none from the drafter.
         """
+        budget = self._budget()
+        return 0 if self._forced(budget).k else budget
+
+    def _budget(self) -> int:
         seq, params = self.seq, self.seq.params
         k = self.draft_length.k if self.k_cap is None else min(self.draft_length.k, self.k_cap)
         return max(0, min(k, params.max_tokens - seq.num_generated - 1, self.max_seq_len - len(seq.token_ids) - 1))
+
+    def _forced(self, budget: int) -> DraftProposal:
+        """The tokens the grammar forces next (at most ``budget``), as a chain of point-mass drafts."""
+        if self.grammar is None or not budget:
+            return EMPTY_PROPOSAL
+        forced = self.grammar.forced()[:budget]
+        return DraftProposal(torch.tensor(forced, dtype=torch.long), None) if forced else EMPTY_PROPOSAL
 
     def plan(self, proposal: DraftProposal | None = None) -> Tensor | None:
         """Draft this step; return the verify inputs (last token + drafts), or None when the
@@ -131,9 +163,15 @@ class Generation:
             self.stops.mark_length()
             return None
         t0 = time.perf_counter()
-        if proposal is None:
-            budget = self.draft_budget()
+        budget = self._budget()
+        forced = self._forced(budget)
+        self.forced_step = bool(forced.k)
+        if forced.k:  # the grammar's own drafts: the drafter sits this step out
+            proposal = forced
+        elif proposal is None:
             proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
+        if self.grammar is not None:
+            proposal = self.grammar.prune(proposal)
         # A tree may hold more nodes than its depth: keep it within the cache and the widest
         # verify call the invariant kernels serve.
         room = min(MAX_SPECULATIVE_TOKENS, self.cache.capacity - self.cache.length - 1)
@@ -153,6 +191,8 @@ class Generation:
         the rejected drafts from the cache, tell the drafter. ``forward_s``: the forward's time."""
         _check_finite(logits)
         seq, proposal, stats = self.seq, self.proposal, self.stats
+        if self.grammar is not None:
+            logits = apply_mask(logits, self.grammar.row_masks(proposal))
         if self.synthetic is not None and proposal.k:
             result = verify_synthetic(proposal, logits, seq.params, self.synthetic, seq.generator)
         else:
@@ -162,18 +202,21 @@ class Generation:
         stats.target_steps += 1
         if proposal.k:
             stats.record_draft(proposal.k, result.num_accepted, proposal.depth)
-            self.draft_length.update(proposal.depth, result.num_accepted)
+            if not self.forced_step:  # K adapts to the drafter's acceptance, not the grammar's
+                self.draft_length.update(proposal.depth, result.num_accepted)
         new = self.stops.push(seq, result.tokens)
+        kept = result.rows if result.rows is not None else list(range(result.num_accepted + 1))
         if self.drafter is not None and not self.finished:
             t0 = time.perf_counter()
-            self.drafter.observe(logits)
+            if not self.forced_step:
+                self.drafter.observe(logits)
             if self.capture is not None:
-                states = self.capture.take()
-                kept = result.rows if result.rows is not None else list(range(result.num_accepted + 1))
-                self.drafter.observe_hidden(states[kept])
-            self.drafter.accept(seq, result.num_accepted)
+                self.drafter.observe_hidden(self.capture.take()[kept])
+            # After a forced step the drafter kept none of its own drafts (it made none) and
+            # catches up on the committed tokens at its next propose, as after a step without drafts.
+            self.drafter.accept(seq, 0 if self.forced_step else result.num_accepted)
             stats.draft_s += time.perf_counter() - t0
-        return StreamEvent(self.stops.take_text(), new)
+        return self._event(new, logits[kept])
 
     def finish(self) -> StreamEvent:
         """The last event, carrying the whole output and its stats."""
@@ -185,6 +228,7 @@ class Generation:
             text=self.stops.text,
             token_ids=self.seq.token_ids[self.seq.prompt_len :],
             finish_reason=self.stops.finish_reason,
+            logprobs=self.logprobs,
             prompt_token_ids=self.seq.token_ids[: self.seq.prompt_len],
             method=self.drafter.name if self.drafter is not None else "none",
             stats=self.stats,
@@ -200,6 +244,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_seq_len = min(max_seq_len, target.max_context)
         self.cache = target.new_cache(self.max_seq_len)
+        self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -216,8 +261,9 @@ class Engine:
         plain decoding; ``spec`` gives the draft length (K, and whether it adapts to acceptance:
         ``draft_length.py``); its method was already used to build ``drafter``."""
         self.check_prompt(prompt_ids)
+        grammar = None if params.constraint is None else self.grammars.matcher(params.constraint)
         return Generation(prompt_ids, params, drafter, spec, self.tokenizer,
-                          cache if cache is not None else self.cache, self.max_seq_len)
+                          cache if cache is not None else self.cache, self.max_seq_len, grammar)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                spec: SpecConfig = PLAIN) -> Iterator[StreamEvent]:

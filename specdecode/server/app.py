@@ -26,11 +26,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdecode.api import LLM
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import InvalidConstraintError, SpecDecodeError
 from specdecode.server.connections import DEFAULT_BODY_TIMEOUT_S
 from specdecode.server.http_errors import APIError, bad_request, from_spec_error, from_validation_error
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
-from specdecode.server.protocol import ChunkWriter, chat_body, completion_body, prepare_chat, prepare_completion
+from specdecode.server.protocol import (
+    ChunkWriter,
+    chat_body,
+    completion_body,
+    constraint_param,
+    prepare_chat,
+    prepare_completion,
+)
 from specdecode.server.scheduler import JobQueue
 from specdecode.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from specdecode.server.streaming import EventStreamResponse, Job, TrackedJob, collect
@@ -116,19 +123,24 @@ def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
             raise bad_request(problem[1], problem[0], "unsupported_parameter")
         try:  # e.g. a model without a chat template, or a prompt the engine refuses
             prepared = prepare_chat(req, llm) if chat else prepare_completion(req, llm)
+            if prepared.params.constraint is not None:  # compile it now: a bad schema is a 400, not a failed stream
+                await asyncio.to_thread(llm.engine.grammars.check, prepared.params.constraint)
             job = scheduler.submit(prepared.prompt_ids, prepared.params)
+        except InvalidConstraintError as exc:
+            raise bad_request(str(exc), constraint_param(req), "invalid_value") from None
         except SpecDecodeError as exc:
             raise from_spec_error(exc) from None
         tracked = TrackedJob(job, metrics)
         if req.stream:
-            return EventStreamResponse(_sse(tracked, ChunkWriter(chat, served, req.include_usage)))
+            return EventStreamResponse(_sse(tracked, ChunkWriter(chat, served, req.include_usage, llm.tokenizer)))
         try:
             output = await collect(tracked, request.receive)
         except SpecDecodeError as exc:
             raise from_spec_error(exc) from None
         if output is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(chat_body(served, output) if chat else completion_body(served, output))
+        body = chat_body(served, output, llm.tokenizer) if chat else completion_body(served, output, llm.tokenizer)
+        return JSONResponse(body)
 
     app.include_router(v1)
 
@@ -152,8 +164,8 @@ async def _sse(tracked: TrackedJob, writer: ChunkWriter) -> AsyncIterator[str]:
     try:
         async with contextlib.aclosing(tracked.events()) as events:
             async for event in events:
-                if event.text:
-                    yield writer.text(event.text)
+                if event.text or event.logprobs:
+                    yield writer.text(event.text, event.logprobs)
                 if event.output is not None:
                     for chunk in writer.end(event.output):
                         yield chunk

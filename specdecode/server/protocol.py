@@ -16,8 +16,10 @@ from typing import Any
 import jinja2
 
 from specdecode.api import LLM
-from specdecode.config import GREEDY_BELOW, SamplingParams
+from specdecode.config import GREEDY_BELOW, Constraint, SamplingParams
 from specdecode.engine.generation import GenerationOutput
+from specdecode.sample.logprobs import TokenLogprob
+from specdecode.tokenizer import Tokenizer
 from specdecode.errors import PromptTooLongError, SpecDecodeError
 from specdecode.server.http_errors import APIError, bad_request, from_spec_error
 from specdecode.server.schemas import (
@@ -28,10 +30,14 @@ from specdecode.server.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     SpecDecodeStats,
+    TokenLogprobOut,
+    TopLogprob,
     Usage,
 )
 
@@ -87,14 +93,36 @@ def _params(req: CompletionRequest | ChatCompletionRequest, llm: LLM, ids: list[
             param=limit_param, code="context_length_exceeded")
     temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
     try:
+        asked = req.constraint()
+    except ValueError as exc:
+        raise bad_request(str(exc), "response_format", "invalid_value") from None
+    constraint = None if asked is None else Constraint(asked[0], asked[1])
+    if constraint is not None and req.ignore_eos:
+        raise bad_request("ignore_eos cannot be combined with structured output: a finished grammar allows only "
+                          "the end of the sequence", "ignore_eos", "invalid_value")
+    try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,  # report it as greedy
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0), seed=req.seed, stop=req.stop, ignore_eos=bool(req.ignore_eos),
+            logprobs=_logprobs(req), constraint=constraint,
         )
     except SpecDecodeError as exc:
         raise from_spec_error(exc) from None
+
+
+def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many alternatives per token the request asked for (None: no logprobs)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def constraint_param(req: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request field that carried its constraint, for error messages."""
+    asked = req.constraint()
+    return asked[2] if asked else "response_format"
 
 
 def spec_stats(output: GenerationOutput) -> SpecDecodeStats:
@@ -109,20 +137,48 @@ def usage(output: GenerationOutput) -> Usage:
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
-def completion_body(model: str, output: GenerationOutput) -> dict[str, Any]:
+def completion_body(model: str, output: GenerationOutput, tokenizer: Tokenizer) -> dict[str, Any]:
+    logprobs = None if output.logprobs is None else completion_logprobs(output.logprobs, tokenizer)
     return CompletionResponse(
         id=_id("cmpl"), created=int(time.time()), model=model,
-        choices=[CompletionChoice(text=output.text, finish_reason=output.finish_reason)],
+        choices=[CompletionChoice(text=output.text, logprobs=logprobs, finish_reason=output.finish_reason)],
         usage=usage(output), spec_decode=spec_stats(output),
     ).model_dump(mode="json")
 
 
-def chat_body(model: str, output: GenerationOutput) -> dict[str, Any]:
+def chat_body(model: str, output: GenerationOutput, tokenizer: Tokenizer) -> dict[str, Any]:
+    logprobs = None if output.logprobs is None else chat_logprobs(output.logprobs, tokenizer)
     return ChatCompletionResponse(
         id=_id("chatcmpl"), created=int(time.time()), model=model,
-        choices=[ChatChoice(message=AssistantMessage(content=output.text), finish_reason=output.finish_reason)],
+        choices=[ChatChoice(message=AssistantMessage(content=output.text), logprobs=logprobs,
+                            finish_reason=output.finish_reason)],
         usage=usage(output), spec_decode=spec_stats(output),
     ).model_dump(mode="json")
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], tokenizer: Tokenizer) -> ChatLogprobs:
+    """OpenAI's chat shape: each token with its bytes and its ``top_logprobs``."""
+
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        raw = tokenizer.token_bytes(token_id)
+        return TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
+
+    return ChatLogprobs(content=[
+        TokenLogprobOut(**top(lp.token_id, lp.logprob).model_dump(), top_logprobs=[top(i, v) for i, v in lp.top])
+        for lp in logprobs])
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], tokenizer: Tokenizer, offset: int = 0) -> CompletionLogprobs:
+    """OpenAI's completions shape: parallel lists; ``text_offset`` counts the characters of the
+    token texts before each token, from ``offset`` (the text already streamed)."""
+    texts = [tokenizer.token_bytes(lp.token_id).decode("utf-8", errors="replace") for lp in logprobs]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    top = [{tokenizer.token_bytes(i).decode("utf-8", errors="replace"): v for i, v in lp.top} for lp in logprobs]
+    return CompletionLogprobs(tokens=texts, token_logprobs=[lp.logprob for lp in logprobs], top_logprobs=top,
+                              text_offset=offsets)
 
 
 class ChunkWriter:
@@ -132,14 +188,22 @@ class ChunkWriter:
 
     DONE = "data: [DONE]\n\n"
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
-        self.chat, self.model, self.include_usage = chat, model, include_usage
+    def __init__(self, chat: bool, model: str, include_usage: bool, tokenizer: Tokenizer | None = None) -> None:
+        self.chat, self.model, self.include_usage, self.tokenizer = chat, model, include_usage, tokenizer
         self.id, self.created = _id("chatcmpl" if chat else "cmpl"), int(time.time())
+        self._offset = 0  # characters of token text sent so far (completions' text_offset)
 
     def start(self) -> list[str]:
         return [self._chunk(ChatDelta(role="assistant", content=""))] if self.chat else []
 
-    def text(self, piece: str) -> str:
+    def text(self, piece: str, logprobs: list[TokenLogprob] | None = None) -> str:
+        """A chunk with the step's text and, when asked for, its tokens' logprobs."""
+        if logprobs and self.tokenizer is not None:
+            if self.chat:
+                return self._chunk(ChatDelta(content=piece), logprobs=chat_logprobs(logprobs, self.tokenizer))
+            lps = completion_logprobs(logprobs, self.tokenizer, self._offset)
+            self._offset += sum(len(t) for t in lps.tokens)
+            return self._chunk(piece, logprobs=lps)
         return self._chunk(ChatDelta(content=piece) if self.chat else piece)
 
     def end(self, output: GenerationOutput) -> list[str]:
@@ -153,16 +217,19 @@ class ChunkWriter:
         return [_sse(err.body()), self.DONE]
 
     def _chunk(self, content: ChatDelta | str | None, finish: str | None = None, *,
-               usage: Usage | None = None, stats: SpecDecodeStats | None = None) -> str:
+               usage: Usage | None = None, stats: SpecDecodeStats | None = None,
+               logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> str:
         """``content`` None makes the usage chunk (no choices)."""
         common = dict(id=self.id, created=self.created, model=self.model, usage=usage, spec_decode=stats)
         if self.chat:
-            choices = [] if content is None else [ChatChunkChoice(delta=content, finish_reason=finish)]
+            choices = [] if content is None else [ChatChunkChoice(delta=content, finish_reason=finish,
+                                                                  logprobs=logprobs)]
             body = ChatCompletionChunk(choices=choices, **common).model_dump(mode="json")
             for choice in body["choices"]:  # a delta carries only the keys it sets; {} at the end
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         else:
-            choices = [] if content is None else [CompletionChoice(text=content, finish_reason=finish)]
+            choices = [] if content is None else [CompletionChoice(text=content, finish_reason=finish,
+                                                                   logprobs=logprobs)]
             body = CompletionResponse(choices=choices, **common).model_dump(mode="json")
         if not self.include_usage:
             body.pop("usage")

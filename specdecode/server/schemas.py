@@ -9,11 +9,13 @@ objects field for field, plus ``spec_decode``: the request's speculative-decodin
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit; completions' logprobs takes the same range here
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
@@ -21,6 +23,35 @@ class StreamOptions(BaseModel):
     model_config = _REQUEST_CONFIG
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # OpenAI's padding option; nothing to pad here
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of its constraints."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _GenerationRequest(BaseModel):
@@ -43,6 +74,8 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = None  # an end-user id for the caller's own logs; changes nothing
+    response_format: ResponseFormat | None = None  # OpenAI's on chat; vLLM also takes it on completions
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice, grammar
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -82,6 +115,37 @@ class _GenerationRequest(BaseModel):
     def _own_checks(self) -> list[tuple[str, bool, str]]:
         return []
 
+    def constraint(self) -> tuple[str, str, str] | None:
+        """(kind, spec, param) of the structured-output constraint asked for, or None; raises
+        ValueError naming the field when the request asks for two, or a format without its schema."""
+        asked: list[tuple[str, str, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("json_object", "", "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ValueError("response_format of type json_schema needs a json_schema object with its schema")
+            asked.append(("json_schema", json.dumps(fmt.json_schema.schema_), "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            before = len(asked)
+            if so.json_ is not None:
+                spec = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+                asked.append(("json_schema", spec, "structured_outputs.json"))
+            if so.regex is not None:
+                asked.append(("regex", so.regex, "structured_outputs.regex"))
+            if so.choice is not None:
+                asked.append(("choice", json.dumps(so.choice), "structured_outputs.choice"))
+            if so.grammar is not None:
+                asked.append(("grammar", so.grammar, "structured_outputs.grammar"))
+            if so.json_object:
+                asked.append(("json_object", "", "structured_outputs.json_object"))
+            if len(asked) == before:
+                raise ValueError("structured_outputs needs one of json, regex, choice, grammar or json_object")
+        if len(asked) > 1:
+            raise ValueError(f"give one output constraint, not {len(asked)} ({', '.join(a[2] for a in asked)})")
+        return asked[0] if asked else None
+
 
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one raw prompt, text or token ids."""
@@ -113,7 +177,8 @@ class CompletionRequest(_GenerationRequest):
         return [
             ("best_of", (self.best_of or 1) > 1, "best_of > 1 is not supported"),
             ("echo", bool(self.echo), "echo is not supported"),
-            ("logprobs", self.logprobs is not None, "logprobs are not supported yet"),
+            ("logprobs", self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
             ("suffix", bool(self.suffix), "suffix (insertion) is not supported"),
         ]
 
@@ -189,7 +254,6 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -208,15 +272,15 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def _own_checks(self) -> list[tuple[str, bool, str]]:
-        fmt = (self.response_format or {}).get("type", "text")
         checks = [
-            ("logprobs", bool(self.logprobs), "logprobs are not supported yet"),
-            ("top_logprobs", self.top_logprobs is not None, "top_logprobs are not supported yet"),
+            ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
+             "top_logprobs needs logprobs set to true"),
+            ("top_logprobs", self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
             ("tools", bool(self.tools), "tools are not supported"),
             ("tool_choice", self.tool_choice not in (None, "none"), "tool_choice is not supported"),
             ("functions", bool(self.functions), "functions are not supported"),
             ("function_call", self.function_call not in (None, "none"), "function_call is not supported"),
-            ("response_format", fmt != "text", f"response_format {fmt!r} is not supported (only 'text')"),
             ("modalities", self.modalities not in (None, ["text"]), "only the 'text' modality is supported"),
             ("audio", self.audio is not None, "audio output is not supported"),
             ("prediction", self.prediction is not None, "predicted outputs are not supported"),
@@ -264,10 +328,19 @@ class _ResponseHead(BaseModel):
     system_fingerprint: str | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -286,10 +359,25 @@ class AssistantMessage(BaseModel):
     refusal: None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: list[TokenLogprobOut] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -308,7 +396,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

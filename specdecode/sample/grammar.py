@@ -1,0 +1,196 @@
+"""Structured output: a grammar decides which tokens the target may emit, at every position.
+
+The engine is llguidance (MIT, no dependencies): it reads our ``tokenizer.json`` as it is, keeps
+special tokens out of matched text, compiles JSON schemas, regexes and Lark grammars, and has the
+calls speculation needs: ``validate_tokens`` tests drafts without advancing, ``rollback`` undoes
+any number of tokens, ``compute_ff_tokens`` gives the tokens the grammar forces. (xgrammar needs
+transformers and triton and gives forced text, not tokens; outlines-core has no grammars beyond
+regexes and takes 16 s to index ``json_object`` for Qwen's vocabulary.)
+
+How a step stays exact. The reference is plain constrained decoding: at each position the target's
+logits are masked to the tokens the grammar allows, then the request's rule picks (argmax, or a
+sample of the masked distribution). In a verify step:
+
+1. ``prune`` cuts the drafts the grammar rejects before the forward (their masked probability is
+   0, so verification would reject them anyway: cutting them changes no output, only the work);
+2. ``row_masks`` gives each verify row the mask of its own position (the state after the drafts
+   before it; the bonus row included), applied to the logits before the acceptance rule, which
+   then sees exactly the constrained target;
+3. ``advance`` moves the grammar by the tokens committed.
+
+Tokens the grammar forces (``forced``) become the step's drafts without running the drafter; they
+are verified like any draft, so a grammar that allows another tokenization still leaves the choice
+to the target.
+
+End of sequence: a drafted EOS is kept only if the grammar accepts there, and ends the drafts (the
+request stops at it). EOS is never fed to the matcher while computing masks, since llguidance does
+not record an EOS after the grammar has stopped and a later rollback would undo one token too many.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import Tensor
+
+from specdecode.config import Constraint
+from specdecode.drafters.base import DraftProposal
+from specdecode.errors import InvalidConstraintError
+from specdecode.tokenizer import Tokenizer
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+# JSON as ``json.dumps`` writes it: no free whitespace, which a model could otherwise emit until
+# max_tokens (vLLM's ``disable_any_whitespace``), and the separators models are trained on.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer. Building llguidance's tokenizer takes about a second
+    for a 150k vocabulary, so it is built once, on the first constraint."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll_tokenizer = None
+
+    @property
+    def ll_tokenizer(self):  # noqa: ANN201 - llguidance.LLTokenizer, imported lazily
+        if self._ll_tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._ll_tokenizer = LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                             eos_token=sorted(self.tokenizer.eos_token_ids))
+        return self._ll_tokenizer
+
+    def grammar(self, constraint: Constraint) -> str:
+        """The llguidance grammar of ``constraint``; raises InvalidConstraintError if it does not compile."""
+        from llguidance import LLMatcher
+
+        try:
+            grammar = _grammar_text(constraint, LLMatcher)
+        except (ValueError, TypeError) as exc:
+            raise InvalidConstraintError(f"the {constraint.kind} constraint is not valid: {exc}") from None
+        problem = LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if problem:
+            raise InvalidConstraintError(f"the {constraint.kind} constraint is not valid: {_first_line(problem)}")
+        return grammar
+
+    def check(self, constraint: Constraint) -> None:
+        """Raise InvalidConstraintError now, so a server answers 400 before queueing the request."""
+        self.grammar(constraint)
+
+    def matcher(self, constraint: Constraint) -> TokenGrammar:
+        from llguidance import LLMatcher
+
+        return TokenGrammar(LLMatcher(self.ll_tokenizer, self.grammar(constraint), log_level=0),
+                            self.tokenizer.eos_token_ids, self.vocab_size)
+
+
+class TokenGrammar:
+    """One request's grammar state: the tokens committed so far, and masks for what may follow."""
+
+    def __init__(self, matcher, eos_ids: frozenset[int], vocab_size: int) -> None:  # noqa: ANN001
+        self.matcher, self.eos_ids, self.vocab_size = matcher, eos_ids, vocab_size
+
+    def mask(self) -> Tensor:
+        """[V] bool: the tokens allowed next."""
+        return _unpack(self.matcher.compute_bitmask(), self.vocab_size)
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar allows alone from here (e.g. ``{"`` then a required key)."""
+        return list(self.matcher.compute_ff_tokens())
+
+    def prune(self, proposal: DraftProposal) -> DraftProposal:
+        """``proposal`` without the drafts the grammar rejects (a chain keeps its valid prefix; a
+        tree keeps the nodes whose whole path is valid)."""
+        if not proposal.k:
+            return proposal
+        tokens = proposal.tokens.tolist()
+        if proposal.parents is None:
+            return proposal.truncated(self._valid_prefix(tokens))
+        keep: list[int] = []
+        for i, parent in enumerate(proposal.parents):
+            if parent >= 0 and (parent not in keep or tokens[parent] in self.eos_ids):
+                continue
+            path = _path(tokens, proposal.parents, i)
+            if self._valid_prefix(path) == len(path):
+                keep.append(i)
+        return proposal.kept(keep)
+
+    def row_masks(self, proposal: DraftProposal) -> Tensor:
+        """[K + 1, V] bool: verify row r's allowed tokens (row 0 the last committed token's, row
+        i + 1 draft i's). Drafts must have passed ``prune``. A row after a drafted EOS allows
+        everything: its token is never committed."""
+        tokens = proposal.tokens.tolist()
+        parents = proposal.parents if proposal.parents is not None else tuple(range(-1, proposal.k - 1))
+        rows = [self.mask()]
+        for i in range(proposal.k):
+            path = _path(tokens, parents, i)
+            if path[-1] in self.eos_ids:
+                rows.append(torch.ones(self.vocab_size, dtype=torch.bool))
+                continue
+            if not self.matcher.consume_tokens(path):
+                raise RuntimeError(f"draft path {path} was not pruned before masking: {self.matcher.get_error()}")
+            rows.append(self.mask())
+            self.matcher.rollback(len(path))
+        return torch.stack(rows)
+
+    def advance(self, tokens: list[int]) -> None:
+        """Commit ``tokens`` (each one the masks allowed)."""
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"a committed token broke the grammar: {self.matcher.get_error()}")
+
+    def _valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the grammar accepts from here, an EOS only where it may end."""
+        eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
+        n = self.matcher.validate_tokens(tokens[:eos_at])
+        if n < eos_at or eos_at == len(tokens):
+            return n
+        if not self.matcher.consume_tokens(tokens[:eos_at]):
+            raise RuntimeError(f"validated tokens failed: {self.matcher.get_error()}")
+        eos_ok = bool(self.mask()[tokens[eos_at]])
+        self.matcher.rollback(eos_at)
+        return eos_at + eos_ok
+
+
+def apply_mask(logits: Tensor, allowed: Tensor) -> Tensor:
+    """logits [N, V], allowed [N, V] bool -> the logits with forbidden tokens at -inf."""
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _grammar_text(constraint: Constraint, matcher_cls) -> str:  # noqa: ANN001
+    kind, spec = constraint.kind, constraint.spec
+    if kind == "json_object":
+        return matcher_cls.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+    if kind == "json_schema":
+        schema = json.loads(spec)
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("a JSON schema must be an object")
+        return matcher_cls.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    if kind == "regex":
+        return matcher_cls.grammar_from_regex(spec)
+    if kind == "choice":
+        options = json.loads(spec)
+        if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+            raise ValueError("choice takes a non-empty list of strings")
+        return matcher_cls.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+    return matcher_cls.grammar_from_lark(spec)
+
+
+def _path(tokens: list[int], parents: tuple[int, ...], i: int) -> list[int]:
+    """Draft i's tokens from the root: its ancestors, then itself."""
+    path = []
+    while i >= 0:
+        path.append(tokens[i])
+        i = parents[i]
+    return path[::-1]
+
+
+def _unpack(bitmask: bytes, vocab_size: int) -> Tensor:
+    """llguidance's bitmask (bit j of little-endian word w: token 32w + j) -> [V] bool."""
+    raw = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
+    return ((raw.unsqueeze(-1) >> _BIT_SHIFTS) & 1).bool().flatten()[:vocab_size]
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else message
