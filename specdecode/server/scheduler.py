@@ -5,8 +5,10 @@ The HTTP layer calls :meth:`Scheduler.submit` from the asyncio loop and iterates
 ``max_concurrency`` requests active, each with its own KV cache and drafter, and advances them
 in lock step: every active request drafts, then ONE target forward verifies all their drafts
 (``Decoder.forward_batch``: the rows share each pass over the weights, which is what a decode
-step costs on a CPU; acceptance stays ragged per request). Because the kernels are
-batch-invariant, each request gets exactly the tokens it would get alone.
+step costs on a CPU; acceptance stays ragged per request). Because the target's kernels are
+batch-invariant, each request gets exactly the tokens it would get alone. Requests drafting with
+one draft model share its forwards too (``draft_model.draft_batch``), one per draft step for all
+of them; a draft's numerics only decide which drafts the target checks, never the output.
 
 A new request's prompt runs in chunks (``engine.PREFILL_CHUNK`` tokens), one chunk per loop
 turn between the active requests' decode steps, so a long prompt delays the running streams by
@@ -30,6 +32,8 @@ from typing import Any
 
 from specdecode.api import LLM
 from specdecode.config import SamplingParams
+from specdecode.drafters.base import DraftProposal
+from specdecode.drafters.draft_model import DraftModelDrafter, draft_batch
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.errors import ServerBusyError
 
@@ -237,10 +241,11 @@ class Scheduler(JobQueue):
 
     def _step(self, active: list[tuple[Job, Generation]]) -> list[tuple[Job, Generation]]:
         """Draft for every active request, verify all drafts in one target forward, commit."""
+        active, proposals = self._draft_shared(active)
         batch: list[tuple[Job, Generation, object]] = []
         for job, gen in active:
             try:
-                inputs = None if job.cancelled.is_set() else gen.plan()
+                inputs = None if job.cancelled.is_set() else gen.plan(proposals.get(job))
             except Exception as exc:  # noqa: BLE001 - fail this request only, keep serving
                 job._emit(exc)
                 self._release(job)
@@ -276,6 +281,37 @@ class Scheduler(JobQueue):
                 job._emit(exc)
             self._release(job)
         return still
+
+    def _draft_shared(self, active: list[tuple[Job, Generation]]
+                      ) -> tuple[list[tuple[Job, Generation]], dict[Job, DraftProposal]]:
+        """Draft at once for the requests whose draft models are one model (``draft_batch``), so
+        its weights are read once per draft step for all of them. Returns the requests still
+        active (a failed shared draft fails just its requests, as a failed target forward does)
+        and their proposals; every other request drafts alone in ``plan``. Each request's
+        ``draft_s`` gets an even share of the shared drafting time."""
+        groups: dict[int, list[tuple[Job, Generation, int]]] = collections.defaultdict(list)
+        for job, gen in active:
+            if isinstance(gen.drafter, DraftModelDrafter) and not job.cancelled.is_set():
+                budget = gen.draft_budget()
+                if budget > 0:
+                    groups[id(gen.drafter.model)].append((job, gen, budget))
+        proposals: dict[Job, DraftProposal] = {}
+        failed: set[Job] = set()
+        for group in (g for g in groups.values() if len(g) > 1):
+            t0 = time.perf_counter()
+            try:
+                made = draft_batch([(gen.drafter, gen.seq, budget) for _, gen, budget in group])
+            except Exception as exc:  # noqa: BLE001 - a bug: fail these requests, keep serving
+                for job, _, _ in group:
+                    job._emit(exc)
+                    self._release(job)
+                    failed.add(job)
+                continue
+            share = (time.perf_counter() - t0) / len(group)
+            for (job, gen, _), proposal in zip(group, made):
+                gen.stats.draft_s += share
+                proposals[job] = proposal
+        return [(job, gen) for job, gen in active if job not in failed], proposals
 
     def _release(self, job: Job) -> None:
         """Free the job's slot (its cache and drafter go with its Generation) and end its stream."""

@@ -1,0 +1,248 @@
+"""Batched drafting: concurrent requests share the draft model's forwards and keep their outputs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specdecode.api import LLM
+from specdecode.config import SamplingParams
+from specdecode.drafters.base import SequenceState
+from specdecode.drafters.draft_model import DraftModelDrafter, draft_batch
+from specdecode.models.decoder import Decoder
+from specdecode.server.scheduler import Job, Scheduler
+from tests.conftest import spec_k
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_pair):
+    target, draft = tiny_pair
+    # Fixed K, no confidence stop: every request drafts exactly K tokens a step, so forwards are countable.
+    return LLM(model=str(target), draft=str(draft), method="draft_model", num_speculative_tokens=K,
+               adaptive=False, draft_confidence=0.0, max_seq_len=256, progress=False)
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    """Prompts of quite different lengths (1 to 50 tokens)."""
+    texts = ["x", "def f(a, b):\n", "for i in range(10):\n    print(i * i)\n", "the quick brown fox " * 3]
+    return [llm.tokenizer.encode(t) for t in texts]
+
+
+def _seq(ids: list[int], params: SamplingParams, seed: int = 0) -> SequenceState:
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return SequenceState(list(ids), len(ids), params, gen)
+
+
+def _drafter(llm: LLM, confidence: float) -> DraftModelDrafter:
+    return DraftModelDrafter(llm.draft_model, llm.target.config.vocab_size, 256, confidence)
+
+
+def test_draft_batch_equals_each_drafters_own_proposals_over_several_steps(llm):
+    """Mixed confidences, budgets (0 included) and a sampled request; the caches stay right
+    through accepted and rejected drafts, so every later step still agrees."""
+    prompts = _prompts(llm)
+    params = [SamplingParams(max_tokens=64), SamplingParams(max_tokens=64),
+              SamplingParams(max_tokens=64, temperature=0.8, seed=3), SamplingParams(max_tokens=64)]
+    confidences = [0.0, 0.4, 0.0, 0.0]
+    solo = [_drafter(llm, c) for c in confidences]
+    shared = [_drafter(llm, c) for c in confidences]
+    solo_seqs = [_seq(p, q, i) for i, (p, q) in enumerate(zip(prompts, params))]
+    shared_seqs = [_seq(p, q, i) for i, (p, q) in enumerate(zip(prompts, params))]
+    for d, s in zip(solo + shared, solo_seqs + shared_seqs):
+        d.begin(s)
+    drafted = 0
+    for step in range(8):
+        ks = [(step + i) % (K + 1) for i in range(4)]
+        alone = [d.propose(s, k) for d, s, k in zip(solo, solo_seqs, ks)]
+        together = draft_batch(list(zip(shared, shared_seqs, ks)))
+        for i, (a, b) in enumerate(zip(alone, together)):
+            assert b.tokens.tolist() == a.tokens.tolist(), (step, i)
+            assert (a.probs is None) == (b.probs is None)
+            if a.probs is not None:
+                torch.testing.assert_close(b.probs, a.probs, atol=1e-4, rtol=1e-4)
+            drafted += a.k
+            n_accepted = (step * 3 + i) % (a.k + 1)
+            new = a.tokens[:n_accepted].tolist() + [(step * 7 + i) % 200]
+            for d, s in ((solo[i], solo_seqs[i]), (shared[i], shared_seqs[i])):
+                s.token_ids += new
+                d.accept(s, n_accepted)
+            assert shared[i].cache.length == solo[i].cache.length
+    assert drafted > 20
+
+
+def test_draft_batch_groups_by_model(llm):
+    """Drafters of different draft models in one call each get their own model's drafts."""
+    other = Decoder.from_dir(llm.model_dir, batch_invariant=False)  # the target's weights: other drafts
+    prompts = _prompts(llm)[:2]
+    params = SamplingParams(max_tokens=32)
+    pairs = [(DraftModelDrafter(m, llm.target.config.vocab_size, 128), _seq(p, params))
+             for m in (llm.draft_model, other) for p in prompts]
+    for d, s in pairs:
+        d.begin(s)
+    together = draft_batch([(d, s, K) for d, s in pairs])
+    assert together[0].tokens.tolist() != together[2].tokens.tolist()  # the two models do differ
+    fresh = [(DraftModelDrafter(d.model, llm.target.config.vocab_size, 128), s) for d, s in pairs]
+    for (d, s), got in zip(fresh, together):
+        d.begin(s)
+        assert got.tokens.tolist() == d.propose(s, K).tokens.tolist()
+
+
+async def _collect(scheduler: Scheduler, ids: list[int], params: SamplingParams):
+    job = scheduler.submit(ids, params)
+    out = None
+    async for event in job:
+        out = event.output or out
+    return out
+
+
+def _run_concurrently(scheduler: Scheduler, prompts, params):
+    async def run_all():
+        return await asyncio.gather(*(_collect(scheduler, p, q) for p, q in zip(prompts, params)),
+                                    return_exceptions=True)
+
+    try:
+        return asyncio.run(run_all())
+    finally:
+        scheduler.close()
+
+
+def _solo(llm: LLM, prompts, params):
+    return [llm.engine.generate(p, q, llm.new_drafter("draft_model"), spec_k(K, adaptive=False))
+            for p, q in zip(prompts, params)]
+
+
+def test_concurrent_greedy_requests_equal_solo(llm):
+    prompts = _prompts(llm)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (30, 9, 22, 40)]
+    solo = _solo(llm, prompts, params)
+    results = _run_concurrently(Scheduler(llm, method="draft_model", max_concurrency=4), prompts, params)
+    assert [out.token_ids for out in results] == [alone.token_ids for alone in solo]
+    assert all(out.stats.draft_s > 0 and out.stats.draft_tokens > 0 for out in results)
+
+
+def test_seeded_sampled_requests_equal_solo_beside_greedy_ones(llm):
+    prompts = _prompts(llm)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=18, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.2, seed=2, ignore_eos=True)]
+    solo = _solo(llm, prompts, params)
+    results = _run_concurrently(Scheduler(llm, method="draft_model", max_concurrency=4), prompts, params)
+    assert [out.token_ids for out in results] == [alone.token_ids for alone in solo]
+
+
+def _log_calls(monkeypatch, llm: LLM) -> list[tuple[str, int]]:
+    """Record every draft forward ("draft", segments) and target verify ("verify", segments)."""
+    calls: list[tuple[str, int]] = []
+    draft, target = llm.draft_model, llm.target
+    d_forward, d_batch, t_batch = draft.forward, draft.forward_batch, target.forward_batch
+    inside = []  # a draft forward that calls forward_batch is one forward
+
+    def draft_forward(tokens, cache, last_only=False, tree=None, capture=None):
+        calls.append(("draft", 1))
+        inside.append(True)
+        try:
+            return d_forward(tokens, cache, last_only, tree, capture)
+        finally:
+            inside.pop()
+
+    def draft_batch_forward(segments, last_only=False, trees=None, captures=None):
+        if not inside:
+            calls.append(("draft", len(segments)))
+        return d_batch(segments, last_only, trees, captures)
+
+    def verify(segments, last_only=False, trees=None, captures=None):
+        calls.append(("verify", len(segments)))
+        return t_batch(segments, last_only, trees, captures)
+
+    monkeypatch.setattr(draft, "forward", draft_forward)
+    monkeypatch.setattr(draft, "forward_batch", draft_batch_forward)
+    monkeypatch.setattr(target, "forward_batch", verify)
+    return calls
+
+
+def test_three_requests_share_each_draft_forward(llm, monkeypatch):
+    """Drafting K tokens costs K draft forwards a step (catch-up, then K - 1) for the three
+    requests together, not 3K; a newcomer's prompt catch-up adds one forward, once."""
+    prompts = _prompts(llm)[1:]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True) for _ in prompts]
+    solo = _solo(llm, prompts, params)
+    calls = _log_calls(monkeypatch, llm)
+    results = _run_concurrently(Scheduler(llm, method="draft_model", max_concurrency=3), prompts, params)
+    assert [out.token_ids for out in results] == [alone.token_ids for alone in solo]
+    steps, drafts = [], 0  # the draft forwards before each verify with all three requests
+    for kind, n in calls:
+        if kind == "draft":
+            drafts += 1
+        else:
+            if n == 3:
+                steps.append(drafts)
+            drafts = 0
+    assert len(steps) >= 5
+    assert max(steps) <= K + 1 < 3 * K
+    assert sorted(steps)[len(steps) // 2] == K
+    assert ("draft", 3) in calls
+
+
+def test_a_failing_shared_draft_forward_fails_its_requests_only(llm, monkeypatch):
+    """The two requests first drafting together get the error; the third, still prefilling
+    then (prompts join one chunk per scheduler turn), drafts alone afterwards and completes; the
+    server keeps serving."""
+    prompts = _prompts(llm)[1:]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True) for _ in prompts]
+    solo = _solo(llm, prompts, params)
+    scheduler = Scheduler(llm, method="draft_model", max_concurrency=3)
+    forward_batch = llm.draft_model.forward_batch
+
+    def broken(segments, last_only=False, trees=None, captures=None):
+        if len(segments) > 1:
+            raise RuntimeError("draft forward broke")
+        return forward_batch(segments, last_only, trees, captures)
+
+    monkeypatch.setattr(llm.draft_model, "forward_batch", broken)
+
+    async def run():
+        first = await asyncio.gather(*(_collect(scheduler, p, q) for p, q in zip(prompts, params)),
+                                     return_exceptions=True)
+        monkeypatch.undo()
+        return first, await _collect(scheduler, prompts[0], params[0])
+
+    try:
+        first, later = asyncio.run(run())
+    finally:
+        scheduler.close()
+    failed = [i for i, r in enumerate(first) if isinstance(r, RuntimeError) and "broke" in str(r)]
+    assert len(failed) == 2
+    (ok,) = set(range(3)) - set(failed)
+    assert first[ok].token_ids == solo[ok].token_ids
+    assert later.token_ids == solo[0].token_ids
+
+
+def test_a_cancelled_request_is_not_drafted(llm):
+    """``_draft_shared`` leaves out cancelled requests: their draft caches stay as they were."""
+    scheduler = Scheduler(llm, method="draft_model", max_concurrency=3)
+    try:
+        loop = asyncio.new_event_loop()
+        active = []
+        for ids in _prompts(llm)[:3]:
+            params = SamplingParams(max_tokens=20, ignore_eos=True)
+            gen = llm.engine.begin(ids, params, llm.new_drafter("draft_model", 64), scheduler.spec,
+                                   llm.target.new_cache(64))
+            for chunk in gen.prefill_chunks():
+                logits = llm.target.forward(chunk, gen.cache, last_only=True)
+            gen.start(logits)
+            active.append((Job(ids, params, loop), gen))
+        active[1][0].cancel()
+        still, proposals = scheduler._draft_shared(active)
+        assert [job for job, _ in still] == [job for job, _ in active]
+        assert set(proposals) == {active[0][0], active[2][0]}
+        assert all(proposals[job].k == K for job in proposals)
+        assert active[1][1].drafter.cache.length == 0
+        loop.close()
+    finally:
+        scheduler.close()
