@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ class SequenceState:
     prompt_len: int
     params: SamplingParams
     generator: torch.Generator = field(default_factory=torch.Generator)
+    grammar: Any = None  # structured output's TokenGrammar (sample/grammar.py), for drafters that follow it
 
     @property
     def num_generated(self) -> int:

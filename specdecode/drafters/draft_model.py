@@ -31,6 +31,7 @@ from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, Seq
 from specdecode.errors import VocabularyMismatchError
 from specdecode.models.cache import KVCache
 from specdecode.models.decoder import Decoder
+from specdecode.sample.grammar import apply_mask
 from specdecode.sample.sampling import greedy, logits_to_probs, sample
 
 # Catch-ups of at most this many tokens share one forward in ``draft_batch``. A longer one is a
@@ -113,7 +114,11 @@ class _DraftRun:
 
     def take(self, logits: Tensor) -> bool:
         """Pick the next draft from the draft's logits [1, V]; True when another one is wanted
-        (its forward is then due on ``tokens[-1]``)."""
+        (its forward is then due on ``tokens[-1]``). Under structured output the draft picks only
+        among the tokens the grammar allows after its drafts so far."""
+        grammar = self.seq.grammar
+        if grammar is not None:
+            logits = apply_mask(logits, grammar.mask_after([int(t) for t in self.tokens]).unsqueeze(0))
         if self.argmax:
             token = greedy(logits)
             p_token = 1.0 if self.drafter.confidence <= 0 else float(torch.softmax(logits[0], -1)[token])
@@ -124,7 +129,8 @@ class _DraftRun:
             p_token = float(p[0, token])
         self.cumulative *= p_token
         self.tokens.append(token)
-        return len(self.tokens) < self.k and self.cumulative >= self.drafter.confidence
+        ends = grammar is not None and int(token) in grammar.eos_ids
+        return len(self.tokens) < self.k and self.cumulative >= self.drafter.confidence and not ends
 
     def proposal(self) -> DraftProposal:
         return DraftProposal(torch.cat(self.tokens), torch.stack(self.probs) if self.probs else None)

@@ -83,6 +83,7 @@ class Generation:
         self.proposal = EMPTY_PROPOSAL
         self.k_cap: int | None = None  # a per-step limit on K set by the server under load (None: none)
         self.grammar = grammar  # structured output: masks every position (sample/grammar.py)
+        self.seq.grammar = grammar
         self.forced_step = False  # this step's drafts are tokens the grammar forced, not the drafter's
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # What every target forward of this request captures for the drafter (None: nothing).

@@ -20,7 +20,9 @@ sample of the masked distribution). In a verify step:
 
 Tokens the grammar forces (``forced``) become the step's drafts without running the drafter; they
 are verified like any draft, so a grammar that allows another tokenization still leaves the choice
-to the target.
+to the target. A draft model follows the grammar too (``mask_after``): it drafts from its own
+masked distribution, which is the ``q`` the rejection rule is given, so its drafts are never cut
+and the rule stays exact.
 
 End of sequence: a drafted EOS is kept only if the grammar accepts there, and ends the drafts (the
 request stops at it). EOS is never fed to the matcher while computing masks, since llguidance does
@@ -95,6 +97,17 @@ class TokenGrammar:
     def mask(self) -> Tensor:
         """[V] bool: the tokens allowed next."""
         return _unpack(self.matcher.compute_bitmask(), self.vocab_size)
+
+    def mask_after(self, drafts: list[int]) -> Tensor:
+        """[V] bool: the tokens allowed after ``drafts`` (grammar-valid, no EOS), for a drafter
+        that follows the grammar; the state is left where it was."""
+        if not drafts:
+            return self.mask()
+        if not self.matcher.consume_tokens(drafts):
+            raise RuntimeError(f"drafts {drafts} broke the grammar: {self.matcher.get_error()}")
+        mask = self.mask()
+        self.matcher.rollback(len(drafts))
+        return mask
 
     def forced(self) -> list[int]:
         """Tokens the grammar allows alone from here (e.g. ``{"`` then a required key)."""
