@@ -15,6 +15,7 @@ from specdecode.cli.options import (add_draft_options, add_method_flag, add_meth
                                     add_quantize_option, method_options)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.errors import InvalidConfigError
+from specdecode.server.k_by_load import parse_k_by_load
 from specdecode.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                            DEFAULT_MAX_CONNECTIONS, guarded_protocol)
 
@@ -38,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model id clients send and /v1/models lists (default: the --model value)")
     p.add_argument("--max-concurrency", type=int, default=4,
                    help="requests generating at once (default: %(default)s)")
+    p.add_argument("--k-by-load", default=None, metavar="START-END:K,...|auto",
+                   help="cap K by the number of requests decoding together, e.g. 1-2:12,3-4:6,5-:0 (K=12 for one "
+                        "or two, 6 for three or four, plain decoding from five; a count not listed keeps -k), or "
+                        "'auto': before each step pick the K with the most expected tokens per second from the "
+                        "measured verify and draft times and acceptance (default: off, every step drafts up to -k)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait beyond those; more get HTTP 429 (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
               draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, quantize=args.quantize,
               **method_options(args, [args.method]))
     scheduler = Scheduler(llm, method=args.method, k=args.k, max_concurrency=args.max_concurrency,
-                          max_queue=args.max_queue)
+                          max_queue=args.max_queue, k_by_load=parse_k_by_load(args.k_by_load))
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins,
                      allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
@@ -146,6 +152,7 @@ def _check(args: argparse.Namespace) -> None:
     for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not 0 < value <= 3600:
             raise InvalidConfigError(f"{flag} must be in (0, 3600] seconds, got {value}")
+    parse_k_by_load(args.k_by_load)  # a bad table fails before any model loads
     if args.max_connections < 8:
         raise InvalidConfigError(f"--max-connections must be >= 8, got {args.max_connections}")
     if not 0 <= args.shutdown_timeout <= 3600:

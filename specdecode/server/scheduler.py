@@ -36,6 +36,7 @@ from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter, draft_batch
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.errors import ServerBusyError
+from specdecode.server.k_by_load import AutoK, KSchedule
 
 _DONE = object()
 
@@ -104,17 +105,19 @@ class Scheduler(JobQueue):
     """A bounded queue in front of the engine.
 
     ``max_concurrency``: requests generating at once; ``max_queue``: requests allowed to wait
-    beyond those. ``running`` and ``waiting`` feed the server's gauges.
+    beyond those; ``k_by_load``: a cap on K for each step from the number of requests in it.
+    ``running`` and ``waiting`` feed the server's gauges.
     """
 
     def __init__(self, llm: LLM, method: str | None = None, k: int | None = None,
-                 max_concurrency: int = 4, max_queue: int = 64) -> None:
+                 max_concurrency: int = 4, max_queue: int = 64, k_by_load: KSchedule | AutoK | None = None) -> None:
         if max_concurrency < 1 or max_queue < 0:
             raise ValueError("need max_concurrency >= 1 and max_queue >= 0")
         self.llm, self.method = llm, method
         self.k = k or llm.spec.num_speculative_tokens
         self.spec = dataclasses.replace(llm.spec, method=method or llm.spec.method, num_speculative_tokens=self.k)
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
+        self.k_by_load = k_by_load  # K per step from the number of running requests (k_by_load.py)
         self._queue: collections.deque[Job] = collections.deque()
         self._lock = threading.Condition()
         self._running: set[Job] = set()
@@ -241,6 +244,11 @@ class Scheduler(JobQueue):
 
     def _step(self, active: list[tuple[Job, Generation]]) -> list[tuple[Job, Generation]]:
         """Draft for every active request, verify all drafts in one target forward, commit."""
+        t_draft = time.perf_counter()
+        if self.k_by_load is not None:  # K for this step, from how many requests share it
+            cap = self.k_by_load.k_for(len(active), self.k)
+            for _, gen in active:
+                gen.k_cap = cap
         active, proposals = self._draft_shared(active)
         batch: list[tuple[Job, Generation, object]] = []
         for job, gen in active:
@@ -259,6 +267,7 @@ class Scheduler(JobQueue):
         if not batch:
             return []
         t0 = time.perf_counter()
+        draft_s = t0 - t_draft
         try:
             logits = self.llm.engine.target.forward_batch([(inputs, gen.cache) for _, gen, inputs in batch],
                                                           trees=[gen.tree for _, gen, _ in batch],
@@ -269,10 +278,13 @@ class Scheduler(JobQueue):
                 self._release(job)
             return []
         forward_s = time.perf_counter() - t0
+        self._record_load(batch, forward_s, draft_s)
         still: list[tuple[Job, Generation]] = []
         for (job, gen, _), rows in zip(batch, logits):
             try:
+                accepted_before = gen.stats.accepted_tokens
                 job._emit(gen.commit(rows, forward_s))
+                self._record_acceptance(gen, gen.stats.accepted_tokens - accepted_before)
                 if not gen.finished:
                     still.append((job, gen))
                     continue
@@ -281,6 +293,18 @@ class Scheduler(JobQueue):
                 job._emit(exc)
             self._release(job)
         return still
+
+    def _record_load(self, batch: list[tuple[Job, Generation, Any]], forward_s: float, draft_s: float) -> None:
+        """Tell the K-by-load policy what this step's verify and drafting cost."""
+        if self.k_by_load is not None:
+            self.k_by_load.record_step(sum(int(inputs.shape[0]) for _, _, inputs in batch), forward_s,
+                                       max(gen.proposal.depth for _, gen, _ in batch), draft_s)
+
+    def _record_acceptance(self, gen: Generation, accepted: int) -> None:
+        """Tell the policy how one request's drafts fared (a refused draft ends its step)."""
+        depth = gen.proposal.depth
+        if self.k_by_load is not None and depth:
+            self.k_by_load.record_drafts(accepted, int(accepted < depth))
 
     def _draft_shared(self, active: list[tuple[Job, Generation]]
                       ) -> tuple[list[tuple[Job, Generation]], dict[Job, DraftProposal]]:

@@ -1,0 +1,145 @@
+"""K by load: how many tokens to draft per request, given how many requests share a step.
+
+On a CPU one verify forward over n requests costs about one pass over the weights while the rows
+are few, then grows with the rows (n * (K + 1)) once the matmuls are compute-bound; drafting costs
+K draft forwards per step. So speculation that pays for one request can cost more than it saves
+for eight, the most common complaint about speculative serving. Two policies:
+
+- ``KSchedule``: a fixed table, ``1-2:12,3-4:6,5-:0`` (the shape of vLLM's
+  ``num_speculative_tokens_per_batch_size``): K = 12 for one or two running requests, 6 for three
+  or four, none from five on. A count the table does not name keeps the server's own K.
+- ``AutoK``: picks, before every step, the K that maximizes the expected tokens per second of the
+  whole step, from what the server has measured: the verify forward's time by number of rows,
+  the draft time per draft step, and the acceptance rate of drafts. With nothing measured yet it
+  keeps the server's K.
+
+K is only ever a cap on each request's own draft length (which still adapts to that request's
+acceptance), and it never changes an output: verification is exact whatever K is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+
+from specdecode.config import MAX_SPECULATIVE_TOKENS
+from specdecode.errors import InvalidConfigError
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d*)\s*)?:\s*(\d+)\s*$")
+EMA = 0.2  # weight of a new measurement in the running estimates
+
+
+@dataclass(frozen=True, slots=True)
+class KRange:
+    start: int
+    end: int | None  # inclusive; None: no upper end
+    k: int
+
+    def holds(self, running: int) -> bool:
+        return self.start <= running and (self.end is None or running <= self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class KSchedule:
+    """A fixed K for each range of running requests."""
+
+    ranges: tuple[KRange, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> KSchedule:
+        """``START-END:K`` items, comma-separated; ``N:K`` is one count, ``START-:K`` open-ended."""
+        ranges = []
+        for item in text.split(","):
+            match = _RANGE.match(item)
+            if not match:
+                raise InvalidConfigError(f"--k-by-load: cannot read {item.strip()!r}; write START-END:K items like "
+                                         "1-2:12,3-4:6,5-:0, or 'auto'")
+            start, end, k = int(match[1]), match[2], int(match[3])
+            stop = start if end is None else (None if end == "" else int(end))
+            if start < 1 or (stop is not None and stop < start):
+                raise InvalidConfigError(f"--k-by-load: {item.strip()!r} is not a range of request counts >= 1")
+            if k > MAX_SPECULATIVE_TOKENS:
+                raise InvalidConfigError(f"--k-by-load: K is at most {MAX_SPECULATIVE_TOKENS}, got {k}")
+            ranges.append(KRange(start, stop, k))
+        ranges.sort(key=lambda r: r.start)
+        for a, b in zip(ranges, ranges[1:]):
+            if a.end is None or a.end >= b.start:
+                raise InvalidConfigError(f"--k-by-load: ranges overlap at {b.start} requests")
+        return cls(tuple(ranges))
+
+    def k_for(self, running: int, k_max: int) -> int:
+        return next((min(r.k, k_max) for r in self.ranges if r.holds(running)), k_max)
+
+    def record_step(self, rows: int, forward_s: float, draft_steps: int, draft_s: float) -> None:
+        """A fixed table learns nothing."""
+
+    def record_drafts(self, accepted: int, rejected: int) -> None:
+        """A fixed table learns nothing."""
+
+
+@dataclass(slots=True)
+class AutoK:
+    """K from measured step costs; see the module docstring.
+
+    Expected tokens per request of a step with K drafts at acceptance rate a (each draft kept with
+    probability a, given the ones before it were): 1 + a + ... + a^K. Time of the step: K draft
+    forwards (``draft_step_s`` each, shared by the requests drafting together) plus the verify
+    forward of running * (K + 1) rows, estimated from the rows measured nearest to it.
+    """
+
+    candidates: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32)
+    acceptance: float | None = None  # running rate of drafts accepted
+    draft_step_s: float | None = None  # one draft forward (for all requests drafting in it)
+    verify_s: dict[int, float] = field(default_factory=dict)  # forward time by rows
+
+    def k_for(self, running: int, k_max: int) -> int:
+        if self.acceptance is None or self.draft_step_s is None or not self.verify_s:
+            return k_max
+        best_k, best_rate = 0, -1.0
+        for k in (c for c in self.candidates if c <= k_max):
+            tokens = running * sum(self.acceptance**i for i in range(k + 1))
+            seconds = k * self.draft_step_s + self.verify_time(running * (k + 1))
+            if tokens / seconds > best_rate * (1 + 1e-9):
+                best_k, best_rate = k, tokens / seconds
+        return best_k
+
+    def verify_time(self, rows: int) -> float:
+        """Interpolated between the two measured row counts around ``rows``; outside them, scaled
+        from the nearest (cost never below it for more rows, linear in rows past the largest)."""
+        known = sorted(self.verify_s)
+        i = bisect.bisect_left(known, rows)
+        if i < len(known) and known[i] == rows:
+            return self.verify_s[rows]
+        if i == 0:
+            return self.verify_s[known[0]]
+        if i == len(known):
+            last = known[-1]
+            return self.verify_s[last] * rows / last
+        lo, hi = known[i - 1], known[i]
+        return self.verify_s[lo] + (self.verify_s[hi] - self.verify_s[lo]) * (rows - lo) / (hi - lo)
+
+    def record_step(self, rows: int, forward_s: float, draft_steps: int, draft_s: float) -> None:
+        """One step's verify forward (``rows`` rows) and drafting (``draft_steps`` forwards in ``draft_s``)."""
+        self.verify_s[rows] = _ema(self.verify_s.get(rows), forward_s)
+        if draft_steps:
+            self.draft_step_s = _ema(self.draft_step_s, draft_s / draft_steps)
+
+    def record_drafts(self, accepted: int, rejected: int) -> None:
+        """One request's step: ``accepted`` drafts kept, ``rejected`` (0 or 1) refused; the first
+        refused draft ends the step, so the rate is per draft given the ones before were kept."""
+        if accepted + rejected:
+            self.acceptance = _ema(self.acceptance, min(accepted / (accepted + rejected), 0.999))
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new
+
+
+def parse_k_by_load(text: str | None) -> KSchedule | AutoK | None:
+    """``--k-by-load``: None (off), ``auto``, or a table."""
+    if text is None or not text.strip():
+        return None
+    if text.strip() == "auto":
+        return AutoK()
+    return KSchedule.parse(text)

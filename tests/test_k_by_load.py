@@ -1,0 +1,91 @@
+"""K by load: the table's parsing, the automatic choice from measured costs, and the scheduler
+capping every step's drafts by the number of requests in it without changing any output."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.config import SamplingParams
+from specdecode.errors import InvalidConfigError
+from specdecode.server.k_by_load import AutoK, KSchedule, parse_k_by_load
+from specdecode.server.scheduler import Scheduler
+from tests.conftest import spec_k
+from tests.test_scheduler import _prompts, _run_concurrently, llm  # noqa: F401 - the module's fixture
+
+
+def test_the_table_reads_like_vllms():
+    table = KSchedule.parse("1-2:12, 3-4:6,5-:0")
+    assert [table.k_for(n, 12) for n in range(1, 9)] == [12, 12, 6, 6, 0, 0, 0, 0]
+    assert KSchedule.parse("2:3").k_for(2, 8) == 3 and KSchedule.parse("2:3").k_for(1, 8) == 8  # unlisted: -k
+    assert KSchedule.parse("1-:16").k_for(1, 4) == 4  # never above the server's K
+    assert parse_k_by_load(None) is None and isinstance(parse_k_by_load("auto"), AutoK)
+
+
+@pytest.mark.parametrize("bad", ["1-2", "a:3", "0:4", "3-1:2", "1-4:2,3-:0", "1-:2,5:0", "1:99", ""])
+def test_bad_tables_are_refused(bad):
+    with pytest.raises(InvalidConfigError):
+        KSchedule.parse(bad)
+
+
+def _measured(verify: dict[int, float], draft_step_s: float, acceptance: float) -> AutoK:
+    auto = AutoK()
+    for rows, seconds in verify.items():
+        auto.record_step(rows, seconds, 0, 0.0)
+    auto.record_step(1, verify[1], 4, 4 * draft_step_s)
+    auto.record_drafts(int(acceptance * 1000), 1000 - int(acceptance * 1000))
+    return auto
+
+
+def test_auto_keeps_k_while_verifying_is_flat_and_drops_it_when_rows_cost():
+    # A CPU's verify: flat to ~16 rows (one pass over the weights), then linear in rows.
+    verify = {r: 0.07 * max(1.0, r / 16) for r in (1, 2, 4, 8, 13, 16, 32, 52, 64, 104)}
+    auto = _measured(verify, draft_step_s=0.004, acceptance=0.8)
+    assert auto.k_for(1, 12) >= 8  # one request: long drafts are nearly free
+    assert auto.k_for(8, 12) <= 1  # eight: every draft row costs a whole row of compute
+    assert [auto.k_for(n, 12) for n in (1, 2, 4, 8)] == sorted((auto.k_for(n, 12) for n in (1, 2, 4, 8)), reverse=True)
+    assert _measured(verify, 0.004, acceptance=0.05).k_for(1, 12) == 0  # drafts never kept: do not draft
+
+
+def test_auto_starts_at_the_servers_k_and_interpolates():
+    assert AutoK().k_for(4, 7) == 7
+    auto = _measured({1: 1.0, 5: 2.0}, 0.01, 0.5)
+    assert auto.verify_time(3) == pytest.approx(1.5) and auto.verify_time(10) == pytest.approx(4.0)
+    assert auto.verify_time(0) == 1.0
+
+
+def _verify_rows(monkeypatch, llm) -> list[list[int]]:  # noqa: F811
+    """Record each verify forward's per-request row counts (prefill chunks run with last_only)."""
+    seen: list[list[int]] = []
+    real = llm.engine.target.forward_batch
+
+    def spy(segments, last_only=False, *args, **kw):
+        if not last_only:
+            seen.append([int(tokens.shape[0]) for tokens, _ in segments])
+        return real(segments, last_only, *args, **kw)
+
+    monkeypatch.setattr(llm.engine.target, "forward_batch", spy)
+    return seen
+
+
+def test_scheduler_caps_k_by_load_and_outputs_stay_exact(llm, monkeypatch):  # noqa: F811
+    prompts = _prompts(llm, 4)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 16, 20, 48)]  # the last ends alone
+    solo = [llm.engine.generate(p, q, llm.drafter("ngram"), spec_k(4)) for p, q in zip(prompts, params)]
+    seen = _verify_rows(monkeypatch, llm)
+    scheduler = Scheduler(llm, method="ngram", max_concurrency=4, k_by_load=KSchedule.parse("1:4,2-3:1,4-:0"))
+    results = _run_concurrently(scheduler, prompts, params)
+    assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
+    limit = {1: 5, 2: 2, 3: 2, 4: 1}  # rows per request: K + 1
+    assert all(max(rows) <= limit[len(rows)] for rows in seen), seen
+    assert any(len(rows) == 4 for rows in seen) and any(len(rows) == 1 and rows[0] > 1 for rows in seen)
+
+
+def test_auto_scheduler_learns_and_stays_exact(llm, monkeypatch):  # noqa: F811
+    prompts = _prompts(llm, 3)
+    params = [SamplingParams(max_tokens=30, ignore_eos=True) for _ in prompts]
+    solo = [llm.engine.generate(p, q, llm.drafter("draft_model"), spec_k(4)) for p, q in zip(prompts, params)]
+    auto = AutoK()
+    scheduler = Scheduler(llm, method="draft_model", max_concurrency=3, k_by_load=auto)
+    results = _run_concurrently(scheduler, prompts, params)
+    assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
+    assert auto.verify_s and auto.draft_step_s is not None and 0 < auto.acceptance < 1
