@@ -45,6 +45,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._control_texts = [t.content for t in added.values() if t.special]
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._byte_level = isinstance(backend.decoder, tokenizers.decoders.ByteLevel)  # GPT-2's byte alphabet
         self._literal: tokenizers.Tokenizer | None = None  # encodes special-token texts as plain text
 
     @classmethod
@@ -90,7 +91,7 @@ class Tokenizer:
         piece = self.backend.id_to_token(token_id)
         if piece is None:
             return b""
-        if token_id not in self._special_ids:
+        if self._byte_level and token_id not in self._special_ids:
             to_byte = _unicode_to_bytes()
             if all(ch in to_byte for ch in piece):
                 return bytes(to_byte[ch] for ch in piece)

@@ -177,3 +177,23 @@ def test_int8_target_from_the_cli(tiny_pair, tmp_path):
                     "--quantize", "int8", "--peers", "hf", "--out", str(tmp_path / "b"))
     assert peers.returncode == 2 and "--quantize" in peers.stderr and "Traceback" not in peers.stderr
 
+
+
+def test_generate_structured_output_and_logprobs(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    res = run_cli("generate", "--model", str(target), "--draft", str(draft), "--method", "draft_model",
+                  "--prompt", "n =", "--max-tokens", "20", "--json-schema", str(tmp_path / "schema.json"),
+                  "--logprobs", "2", "--compare", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert 0 <= json.loads(report["text"])["n"] <= 99 and report["identical"] is True
+    assert len(report["logprobs"]) == len(report["token_ids"])
+    assert all(1 <= len(lp["top_logprobs"]) <= 2 for lp in report["logprobs"])  # only tokens the schema allows
+    res = run_cli("generate", "--model", str(target), "--prompt", "pick", "--choice", "left", "--choice", "right")
+    assert res.returncode == 0 and res.stdout.strip() in ("left", "right"), res.stderr
+    res = run_cli("generate", "--model", str(target), "--prompt", "x", "--regex", "[a-")
+    assert res.returncode == 2 and "regex constraint is not valid" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode import LLM, SamplingParams
+from specdecode import LLM, Constraint, SamplingParams
 from specdecode.drafters.base import SequenceState
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.errors import CheckpointError, HeadMismatchError, InvalidConfigError, UnsupportedModelError
@@ -253,3 +253,14 @@ def test_draft_quantize_none_keeps_the_head_in_floats(target_dir, head_dir):
                   draft_quantize=mode)
         drafter = build_drafter("eagle", llm.resources, 256)
         assert any(isinstance(m, DraftLinear) for m in drafter.head.modules()) is packed, mode
+
+
+@pytest.mark.parametrize("tree_width", [0, 3], ids=["chain", "tree"])
+def test_greedy_identity_under_a_grammar(llms, tree_width):
+    """Structured output: drafts the regex rejects are cut (tree nodes too), every row is masked."""
+    llm = llms[tree_width]
+    params = SamplingParams(max_tokens=40, temperature=0.0, constraint=Constraint("regex", r"[a-z =]{1,30}\."))
+    for seed in range(3):
+        plain = llm.generate(_prompt(seed), params, method="none")[0]
+        spec = llm.generate(_prompt(seed), params, method="eagle", num_speculative_tokens=4)[0]
+        assert spec.token_ids == plain.token_ids, (tree_width, seed)

@@ -31,9 +31,23 @@ def _measured(verify: dict[int, float], draft_step_s: float, acceptance: float) 
     auto = AutoK()
     for rows, seconds in verify.items():
         auto.record_step(rows, seconds, 0, 0.0)
-    auto.record_step(1, verify[1], 4, 4 * draft_step_s)
-    auto.record_drafts(int(acceptance * 1000), 1000 - int(acceptance * 1000))
+    auto.record_step(min(verify), verify[min(verify)], 4, 4 * draft_step_s)
+    for accepted in _steps_at(acceptance, k=4, n=400):  # as the scheduler reports them: one request-step each
+        auto.record_drafts(accepted, int(accepted < 4))
     return auto
+
+
+def _steps_at(acceptance: float, k: int, n: int) -> list[int]:
+    """Accepted drafts of ``n`` steps of ``k`` drafts, each kept with probability ``acceptance``."""
+    import random
+
+    rng, out = random.Random(0), []
+    for _ in range(n):
+        kept = 0
+        while kept < k and rng.random() < acceptance:
+            kept += 1
+        out.append(kept)
+    return out
 
 
 def test_auto_keeps_k_while_verifying_is_flat_and_drops_it_when_rows_cost():
@@ -43,7 +57,19 @@ def test_auto_keeps_k_while_verifying_is_flat_and_drops_it_when_rows_cost():
     assert auto.k_for(1, 12) >= 8  # one request: long drafts are nearly free
     assert auto.k_for(8, 12) <= 1  # eight: every draft row costs a whole row of compute
     assert [auto.k_for(n, 12) for n in (1, 2, 4, 8)] == sorted((auto.k_for(n, 12) for n in (1, 2, 4, 8)), reverse=True)
-    assert _measured(verify, 0.004, acceptance=0.05).k_for(1, 12) == 0  # drafts never kept: do not draft
+    assert _measured(verify, 0.004, acceptance=0.01).k_for(1, 12) == 0  # drafts never kept: do not draft
+
+
+def test_auto_estimates_the_per_draft_acceptance_from_request_steps():
+    for rate in (0.3, 0.6, 0.85):
+        assert _measured({1: 0.1}, 0.01, rate).acceptance == pytest.approx(rate, abs=0.08)
+
+
+def test_auto_revisits_unmeasured_row_counts():
+    verify = {r: 0.07 * max(1.0, r / 4) for r in (8, 16, 24, 32)}
+    auto = _measured(verify, draft_step_s=0.02, acceptance=0.3)
+    picks = [auto.k_for(8, 12) for _ in range(64)]
+    assert picks.count(0) >= 60 and any(k > 0 and 8 * (k + 1) not in verify for k in picks)
 
 
 def test_auto_starts_at_the_servers_k_and_interpolates():

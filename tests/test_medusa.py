@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode import LLM, SamplingParams
+from specdecode import LLM, Constraint, SamplingParams
 from specdecode.cli import main
 from specdecode.errors import HeadMismatchError, InvalidConfigError
 from specdecode.heads.medusa import MedusaConfig, MedusaHeads
@@ -150,3 +150,15 @@ def test_batched_requests_get_their_solo_output(trained):
     results = _run_concurrently(Scheduler(llm, method="medusa", k=3, max_concurrency=3, max_queue=8), prompts,
                                 params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
+
+
+@pytest.mark.parametrize("tree_width", [0, 2], ids=["chain", "tree"])
+def test_greedy_identity_under_a_grammar(trained, tree_width):
+    target, folder, _ = trained
+    llm = LLM(model=str(target), medusa_heads=str(folder), max_seq_len=300, progress=False,
+              head_tree_width=tree_width)
+    params = SamplingParams(max_tokens=40, temperature=0.0, constraint=Constraint("regex", r"[a-z =]{1,30}\."))
+    for seed in range(3):
+        plain = llm.generate(_prompt(seed), params, method="none")[0]
+        spec = llm.generate(_prompt(seed), params, method="medusa", num_speculative_tokens=4)[0]
+        assert spec.token_ids == plain.token_ids, (tree_width, seed)

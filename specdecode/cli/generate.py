@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
-from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES, SamplingParams
+from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES, MAX_LOGPROBS, Constraint, SamplingParams
 from specdecode.errors import InvalidConfigError
 
 
@@ -36,7 +36,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also run --method none on the same input and report speedup and identity")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="report each token's log-probability and the N most likely tokens at its position "
+                        f"(0-{MAX_LOGPROBS}; in --json output as \"logprobs\", else on stderr)")
+    shape = p.add_argument_group("structured output (one of; the output is exactly the constrained target's)")
+    only = shape.add_mutually_exclusive_group()
+    only.add_argument("--json-object", action="store_true", help="the output is one JSON object")
+    only.add_argument("--json-schema", metavar="JSON|FILE",
+                      help="the output is JSON matching this schema (inline JSON text, or a file holding it)")
+    only.add_argument("--regex", help="the output matches this regular expression (Rust regex syntax)")
+    only.add_argument("--grammar", type=Path, metavar="FILE", help="the output matches this Lark grammar")
+    only.add_argument("--choice", action="append", metavar="TEXT",
+                      help="the output is exactly one of these texts (repeat the flag for each)")
     p.set_defaults(run=run)
+
+
+def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
+    """The structured-output flag given, as a Constraint (None: free text)."""
+    if args.json_object:
+        return Constraint("json_object")
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith(("{", "true", "false")):
+            text = _read_text(Path(text), "--json-schema")
+        return Constraint("json_schema", text)
+    if args.regex is not None:
+        return Constraint("regex", args.regex)
+    if args.grammar is not None:
+        return Constraint("grammar", _read_text(args.grammar, "--grammar"))
+    if args.choice:
+        return Constraint.choice(args.choice)
+    return None
+
+
+def _read_text(path: Path, flag: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidConfigError(f"cannot read {flag} {path}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
     prompt = _read_prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
+                            constraint=constraint_from_args(args))
     llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json,
               adaptive=not args.fixed_k, draft_quantize=args.draft_quantize,
@@ -57,16 +95,18 @@ def run(args: argparse.Namespace) -> int:
             out = event.output
         print()
         _print_stats(out)
+        _print_logprobs(out, llm.tokenizer)
         return 0
     if args.compare:  # the first forward pages the weights in; keep that out of both timings
         llm.generate(ids, SamplingParams(max_tokens=2))
     [out] = llm.generate(ids, params)
     base = llm.generate(ids, params, method="none")[0] if args.compare else None
     if args.json:
-        print(json.dumps(_report(out, base)))
+        print(json.dumps(_report(out, base, llm.tokenizer)))
     else:
         print(out.text)
         _print_stats(out, base)
+        _print_logprobs(out, llm.tokenizer)
     return 0
 
 
@@ -95,7 +135,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _report(out, base) -> dict:
+def _report(out, base, tokenizer) -> dict:
     s = out.stats
     report = {
         "text": out.text, "token_ids": out.token_ids, "method": out.method,
@@ -103,6 +143,8 @@ def _report(out, base) -> dict:
         "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
         "stats": s.to_dict(),
     }
+    if out.logprobs is not None:
+        report["logprobs"] = [_logprob_json(lp, tokenizer) for lp in out.logprobs]
     if base is not None:
         report.update(
             baseline_tokens_per_s=base.stats.tokens_per_s,
@@ -110,6 +152,22 @@ def _report(out, base) -> dict:
             identical=out.token_ids == base.token_ids,
         )
     return report
+
+
+def _logprob_json(lp, tokenizer) -> dict:
+    def text(token_id: int) -> str:
+        return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    return {"token_id": lp.token_id, "token": text(lp.token_id), "logprob": lp.logprob,
+            "top_logprobs": [{"token_id": i, "token": text(i), "logprob": v} for i, v in lp.top]}
+
+
+def _print_logprobs(out, tokenizer) -> None:
+    """One line per token on stderr: its text, logprob, and the alternatives."""
+    for lp in out.logprobs or []:
+        entry = _logprob_json(lp, tokenizer)
+        alternatives = "  ".join(f"{t['token']!r} {t['logprob']:.3f}" for t in entry["top_logprobs"])
+        print(f"{entry['token']!r:>16} {entry['logprob']:8.3f}   {alternatives}", file=sys.stderr)
 
 
 def _print_stats(out, base=None) -> None:

@@ -74,7 +74,7 @@ class Generation:
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-        self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen)
+        self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen, grammar)
         # A drafter may size its own proposals (a lookahead window's depth is not a draft length).
         self.draft_length = DraftLength(spec.num_speculative_tokens,
                                         spec.adaptive and (drafter is None or drafter.adapts_length))
@@ -83,8 +83,8 @@ class Generation:
         self.proposal = EMPTY_PROPOSAL
         self.k_cap: int | None = None  # a per-step limit on K set by the server under load (None: none)
         self.grammar = grammar  # structured output: masks every position (sample/grammar.py)
-        self.seq.grammar = grammar
         self.forced_step = False  # this step's drafts are tokens the grammar forced, not the drafter's
+        self.pruned = False  # the grammar cut some of this step's drafts
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # What every target forward of this request captures for the drafter (None: nothing).
         self.capture = (HiddenCapture(drafter.hidden_layers)
@@ -171,8 +171,10 @@ class Generation:
             proposal = forced
         elif proposal is None:
             proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
+        self.pruned = False
         if self.grammar is not None:
-            proposal = self.grammar.prune(proposal)
+            drafted, proposal = proposal.k, self.grammar.prune(proposal)
+            self.pruned = proposal.k < drafted
         # A tree may hold more nodes than its depth: keep it within the cache and the widest
         # verify call the invariant kernels serve.
         room = min(MAX_SPECULATIVE_TOKENS, self.cache.capacity - self.cache.length - 1)
@@ -201,15 +203,14 @@ class Generation:
         self.cache.commit(result, proposal.k + 1)
         stats.verify_s += forward_s
         stats.target_steps += 1
-        if proposal.k:
+        if proposal.k and not self.forced_step:  # the drafter's acceptance, not the grammar's
             stats.record_draft(proposal.k, result.num_accepted, proposal.depth)
-            if not self.forced_step:  # K adapts to the drafter's acceptance, not the grammar's
-                self.draft_length.update(proposal.depth, result.num_accepted)
+            self.draft_length.update(proposal.depth, result.num_accepted)
         new = self.stops.push(seq, result.tokens)
         kept = result.rows if result.rows is not None else list(range(result.num_accepted + 1))
         if self.drafter is not None and not self.finished:
             t0 = time.perf_counter()
-            if not self.forced_step:
+            if not self.forced_step and not self.pruned:  # rows as the drafter proposed them
                 self.drafter.observe(logits)
             if self.capture is not None:
                 self.drafter.observe_hidden(self.capture.take()[kept])

@@ -1,18 +1,21 @@
 """Structured output: a grammar decides which tokens the target may emit, at every position.
 
-The engine is llguidance (MIT, no dependencies): it reads our ``tokenizer.json`` as it is, keeps
-special tokens out of matched text, compiles JSON schemas, regexes and Lark grammars, and has the
-calls speculation needs: ``validate_tokens`` tests drafts without advancing, ``rollback`` undoes
-any number of tokens, ``compute_ff_tokens`` gives the tokens the grammar forces. (xgrammar needs
-transformers and triton and gives forced text, not tokens; outlines-core has no grammars beyond
-regexes and takes 16 s to index ``json_object`` for Qwen's vocabulary.)
+The engine is llguidance (why it and not xgrammar or outlines-core: docs/SERVING.md, "Structured
+output"): it reads our ``tokenizer.json`` as it is, keeps special tokens out of matched text, and
+has the calls speculation needs: ``try_consume_tokens`` and ``rollback`` test drafts, and
+``compute_ff_tokens`` gives the tokens the grammar forces. A grammar that cannot roll back
+(llguidance's ``max_tokens=``/``stop=`` lexemes) is refused when it is checked.
 
 How a step stays exact. The reference is plain constrained decoding: at each position the target's
 logits are masked to the tokens the grammar allows, then the request's rule picks (argmax, or a
 sample of the masked distribution). In a verify step:
 
-1. ``prune`` cuts the drafts the grammar rejects before the forward (their masked probability is
-   0, so verification would reject them anyway: cutting them changes no output, only the work);
+1. ``prune`` cuts the drafts the grammar rejects before the forward. A draft chosen without
+   randomness (greedy, n-gram, trees, forced tokens) would be rejected anyway (its masked
+   probability is 0, and so is the mass the rejection rule would remove), so cutting it changes
+   nothing. A draft *sampled* from a distribution q is kept as the chain's last draft instead:
+   it is rejected for sure, and the token then comes from the residual max(0, p - q), which a
+   cut would replace by a sample of p, moving the law by the mass q put on forbidden tokens;
 2. ``row_masks`` gives each verify row the mask of its own position (the state after the drafts
    before it; the bonus row included), applied to the logits before the acceptance rule, which
    then sees exactly the constrained target;
@@ -32,6 +35,7 @@ not record an EOS after the grammar has stopped and a later rollback would undo 
 from __future__ import annotations
 
 import json
+import threading
 
 import torch
 from torch import Tensor
@@ -42,50 +46,77 @@ from specdecode.errors import InvalidConstraintError
 from specdecode.tokenizer import Tokenizer
 
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_GRAMMAR_CACHE = 256  # compiled grammar texts kept per compiler (a server sees the same schemas again)
 # JSON as ``json.dumps`` writes it: no free whitespace, which a model could otherwise emit until
 # max_tokens (vLLM's ``disable_any_whitespace``), and the separators models are trained on.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer. Building llguidance's tokenizer takes about a second
-    for a 150k vocabulary, so it is built once, on the first constraint."""
+    """Compiles constraints for one tokenizer, from any thread. Building llguidance's tokenizer
+    takes about a second for a 150k vocabulary, so it is built once, on the first constraint;
+    each constraint's grammar text is kept, so a server's check and its request share the work."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self._grammars: dict[Constraint, str] = {}
 
     @property
     def ll_tokenizer(self):  # noqa: ANN201 - llguidance.LLTokenizer, imported lazily
-        if self._ll_tokenizer is None:
-            from llguidance import LLTokenizer
+        with self._lock:
+            if self._ll_tokenizer is None:
+                from llguidance import LLTokenizer
 
-            self._ll_tokenizer = LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                             eos_token=sorted(self.tokenizer.eos_token_ids))
-        return self._ll_tokenizer
+                self._ll_tokenizer = LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                 eos_token=sorted(self.tokenizer.eos_token_ids))
+            return self._ll_tokenizer
 
     def grammar(self, constraint: Constraint) -> str:
         """The llguidance grammar of ``constraint``; raises InvalidConstraintError if it does not compile."""
         from llguidance import LLMatcher
 
+        with self._lock:
+            known = self._grammars.get(constraint)
+        if known is not None:
+            return known
         try:
             grammar = _grammar_text(constraint, LLMatcher)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             raise InvalidConstraintError(f"the {constraint.kind} constraint is not valid: {exc}") from None
         problem = LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if problem:
             raise InvalidConstraintError(f"the {constraint.kind} constraint is not valid: {_first_line(problem)}")
+        with self._lock:
+            if len(self._grammars) >= _GRAMMAR_CACHE:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[constraint] = grammar
         return grammar
 
     def check(self, constraint: Constraint) -> None:
-        """Raise InvalidConstraintError now, so a server answers 400 before queueing the request."""
-        self.grammar(constraint)
+        """Raise InvalidConstraintError now, so a server answers 400 before queueing the request:
+        the grammar compiles, its matcher starts, and it can roll back a token (speculation undoes
+        drafts; llguidance cannot for grammars with ``max_tokens=`` or ``stop=`` lexemes)."""
+        grammar = self.matcher(constraint)
+        allowed = grammar.mask().nonzero().flatten().tolist()
+        first = next((t for t in allowed if t not in grammar.eos_ids), None)
+        if first is None:
+            return
+        grammar.advance([first])
+        if not grammar.matcher.rollback(1):
+            raise InvalidConstraintError(f"the {constraint.kind} constraint cannot be used with speculative "
+                                         "decoding: its grammar cannot undo a token (drop max_tokens= or stop= "
+                                         "from its lexemes)")
 
     def matcher(self, constraint: Constraint) -> TokenGrammar:
         from llguidance import LLMatcher
 
-        return TokenGrammar(LLMatcher(self.ll_tokenizer, self.grammar(constraint), log_level=0),
-                            self.tokenizer.eos_token_ids, self.vocab_size)
+        matcher = LLMatcher(self.ll_tokenizer, self.grammar(constraint), log_level=0)
+        if matcher.is_error():
+            raise InvalidConstraintError(f"the {constraint.kind} constraint is not valid: "
+                                         f"{_first_line(matcher.get_error())}")
+        return TokenGrammar(matcher, self.tokenizer.eos_token_ids, self.vocab_size)
 
 
 class TokenGrammar:
@@ -95,18 +126,21 @@ class TokenGrammar:
         self.matcher, self.eos_ids, self.vocab_size = matcher, eos_ids, vocab_size
 
     def mask(self) -> Tensor:
-        """[V] bool: the tokens allowed next."""
-        return _unpack(self.matcher.compute_bitmask(), self.vocab_size)
+        """[V] bool: the tokens allowed next. A grammar that failed on the way (a parser limit)
+        is an error for the request, never a silent end of sequence."""
+        bitmask = self.matcher.compute_bitmask()
+        if self.matcher.is_error():
+            raise InvalidConstraintError(f"the grammar failed: {_first_line(self.matcher.get_error())}")
+        return _unpack(bitmask, self.vocab_size)
 
     def mask_after(self, drafts: list[int]) -> Tensor:
         """[V] bool: the tokens allowed after ``drafts`` (grammar-valid, no EOS), for a drafter
         that follows the grammar; the state is left where it was."""
         if not drafts:
             return self.mask()
-        if not self.matcher.consume_tokens(drafts):
-            raise RuntimeError(f"drafts {drafts} broke the grammar: {self.matcher.get_error()}")
+        self._consume(drafts)
         mask = self.mask()
-        self.matcher.rollback(len(drafts))
+        self._rollback(len(drafts))
         return mask
 
     def forced(self) -> list[int]:
@@ -120,7 +154,9 @@ class TokenGrammar:
             return proposal
         tokens = proposal.tokens.tolist()
         if proposal.parents is None:
-            return proposal.truncated(self._valid_prefix(tokens))
+            n = self._valid_prefix(tokens)
+            sampled = proposal.probs is not None  # keep its first invalid draft: see the module docstring
+            return proposal.truncated(n + 1 if sampled and n < proposal.k else n)
         keep: list[int] = []
         for i, parent in enumerate(proposal.parents):
             if parent >= 0 and (parent not in keep or tokens[parent] in self.eos_ids):
@@ -132,38 +168,42 @@ class TokenGrammar:
 
     def row_masks(self, proposal: DraftProposal) -> Tensor:
         """[K + 1, V] bool: verify row r's allowed tokens (row 0 the last committed token's, row
-        i + 1 draft i's). Drafts must have passed ``prune``. A row after a drafted EOS allows
+        i + 1 draft i's), for drafts that passed ``prune``. A row after a drafted EOS, or after
+        a sampled draft the grammar forbids (kept by ``prune``, rejected for sure), allows
         everything: its token is never committed."""
         tokens = proposal.tokens.tolist()
         parents = proposal.parents if proposal.parents is not None else tuple(range(-1, proposal.k - 1))
         rows = [self.mask()]
         for i in range(proposal.k):
             path = _path(tokens, parents, i)
-            if path[-1] in self.eos_ids:
+            if path[-1] in self.eos_ids or self._valid_prefix(path) < len(path):
                 rows.append(torch.ones(self.vocab_size, dtype=torch.bool))
                 continue
-            if not self.matcher.consume_tokens(path):
-                raise RuntimeError(f"draft path {path} was not pruned before masking: {self.matcher.get_error()}")
+            self._consume(path)
             rows.append(self.mask())
-            self.matcher.rollback(len(path))
+            self._rollback(len(path))
         return torch.stack(rows)
 
     def advance(self, tokens: list[int]) -> None:
         """Commit ``tokens`` (each one the masks allowed)."""
-        if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"a committed token broke the grammar: {self.matcher.get_error()}")
+        if tokens:
+            self._consume(tokens)
 
     def _valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the grammar accepts from here, an EOS only where it may end."""
         eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
-        n = self.matcher.validate_tokens(tokens[:eos_at])
-        if n < eos_at or eos_at == len(tokens):
-            return n
-        if not self.matcher.consume_tokens(tokens[:eos_at]):
-            raise RuntimeError(f"validated tokens failed: {self.matcher.get_error()}")
-        eos_ok = bool(self.mask()[tokens[eos_at]])
-        self.matcher.rollback(eos_at)
-        return eos_at + eos_ok
+        n = self.matcher.try_consume_tokens(tokens[:eos_at])
+        eos_ok = n == eos_at < len(tokens) and bool(self.mask()[tokens[eos_at]])
+        self._rollback(n)
+        return n + eos_ok
+
+    def _consume(self, tokens: list[int]) -> None:
+        if not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"tokens {tokens[:8]} broke the grammar: {self.matcher.get_error()}")
+
+    def _rollback(self, n: int) -> None:
+        if n and not self.matcher.rollback(n):
+            raise RuntimeError(f"the grammar could not undo {n} tokens: {self.matcher.get_error()}")
 
 
 def apply_mask(logits: Tensor, allowed: Tensor) -> Tensor:
@@ -177,7 +217,9 @@ def _grammar_text(constraint: Constraint, matcher_cls) -> str:  # noqa: ANN001
         return matcher_cls.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if kind == "json_schema":
         schema = json.loads(spec)
-        if not isinstance(schema, (dict, bool)):
+        if schema is True:  # JSON Schema's "anything"
+            schema = {}
+        if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object")
         return matcher_cls.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     if kind == "regex":

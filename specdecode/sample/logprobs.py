@@ -8,7 +8,8 @@ returns bit for bit the logprobs plain decoding returns.
 
 The values are those of the logits the acceptance rule saw: after a structured-output mask,
 before temperature, top-k and top-p (vLLM's default ``raw_logprobs``). A token the mask forbids
-has log-probability -inf, reported as ``LOGPROB_FLOOR`` (OpenAI's "very unlikely").
+has log-probability -inf: it is never among the alternatives, and a chosen token's value is
+floored at ``LOGPROB_FLOOR`` (OpenAI's "very unlikely") so it stays a JSON number.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ def token_logprobs(rows: Tensor, tokens: list[int], n_top: int) -> list[TokenLog
     for row, token in zip(rows, tokens):
         logp = torch.log_softmax(row.float(), -1)  # [V], one row at a time (see the module docstring)
         top: tuple[tuple[int, float], ...] = ()
-        if n_top:
+        if n_top:  # tokens a grammar forbids (-inf) are not alternatives
             values, ids = _top_stable(logp, n_top)
-            top = tuple((int(i), _floor(float(v))) for i, v in zip(ids, values))
+            top = tuple((int(i), float(v)) for i, v in zip(ids, values) if v > float("-inf"))
         out.append(TokenLogprob(int(token), _floor(float(logp[token])), top))
     return out
 
 
 def _top_stable(logp: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """The n largest entries, ties to the lower id (``topk`` leaves the order among ties open)."""
+    """The n largest entries, ties among them ordered by lower id (``topk`` leaves that open)."""
     values, ids = torch.topk(logp, min(n, logp.shape[0]))
     order = sorted(range(len(ids)), key=lambda j: (-float(values[j]), int(ids[j])))
     return values[order], ids[order]

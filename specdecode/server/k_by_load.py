@@ -11,10 +11,12 @@ for eight, the most common complaint about speculative serving. Two policies:
 - ``AutoK``: picks, before every step, the K that maximizes the expected tokens per second of the
   whole step, from what the server has measured: the verify forward's time by number of rows,
   the draft time per draft step, and the acceptance rate of drafts. With nothing measured yet it
-  keeps the server's K.
+  keeps the server's K; every ``EXPLORE_EVERY`` steps it tries a row count it has not measured
+  yet, so a choice of K = 0 under load is revisited when the load falls.
 
 K is only ever a cap on each request's own draft length (which still adapts to that request's
-acceptance), and it never changes an output: verification is exact whatever K is.
+acceptance). Greedy output never depends on it; sampled output keeps exactly the target's
+distribution, though a seeded request's draws follow its K, as they do with adaptive K.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from specdecode.config import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidConfigError
 
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d*)\s*)?:\s*(\d+)\s*$")
-EMA = 0.2  # weight of a new measurement in the running estimates
+EMA = 0.2  # weight of a new step's times in the running estimates
+ACCEPTANCE_EMA = 0.02  # weight of one request-step's drafts (many per step, each a noisy 0..K count)
+EXPLORE_EVERY = 32  # steps between tries of a row count not measured yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,17 +93,33 @@ class AutoK:
     """
 
     candidates: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32)
-    acceptance: float | None = None  # running rate of drafts accepted
+    accepted: float | None = None  # running mean of drafts kept per request-step
+    tried: float | None = None  # running mean of drafts decided per request-step (kept + refused)
     draft_step_s: float | None = None  # one draft forward (for all requests drafting in it)
     verify_s: dict[int, float] = field(default_factory=dict)  # forward time by rows
+    steps: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        """Drafts kept per draft decided: the chance a draft survives, given the ones before did."""
+        if self.accepted is None or not self.tried:
+            return None
+        return min(self.accepted / self.tried, 0.999)
 
     def k_for(self, running: int, k_max: int) -> int:
-        if self.acceptance is None or self.draft_step_s is None or not self.verify_s:
+        self.steps += 1
+        acceptance = self.acceptance
+        if acceptance is None or self.draft_step_s is None or not self.verify_s:
             return k_max
+        options = [c for c in self.candidates if c <= k_max]
+        if self.steps % EXPLORE_EVERY == 0:
+            unmeasured = [k for k in options if running * (k + 1) not in self.verify_s]
+            if unmeasured:
+                return unmeasured[0]
         best_k, best_rate = 0, -1.0
-        for k in (c for c in self.candidates if c <= k_max):
-            tokens = running * sum(self.acceptance**i for i in range(k + 1))
-            seconds = k * self.draft_step_s + self.verify_time(running * (k + 1))
+        for k in options:
+            tokens = running * sum(acceptance**i for i in range(k + 1))
+            seconds = max(k * self.draft_step_s + self.verify_time(running * (k + 1)), 1e-9)
             if tokens / seconds > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, tokens / seconds
         return best_k
@@ -129,11 +149,12 @@ class AutoK:
         """One request's step: ``accepted`` drafts kept, ``rejected`` (0 or 1) refused; the first
         refused draft ends the step, so the rate is per draft given the ones before were kept."""
         if accepted + rejected:
-            self.acceptance = _ema(self.acceptance, min(accepted / (accepted + rejected), 0.999))
+            self.accepted = _ema(self.accepted, accepted, ACCEPTANCE_EMA)
+            self.tried = _ema(self.tried, accepted + rejected, ACCEPTANCE_EMA)
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - EMA) * old + EMA * new
+def _ema(old: float | None, new: float, weight: float = EMA) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def parse_k_by_load(text: str | None) -> KSchedule | AutoK | None:

@@ -303,7 +303,7 @@ class Scheduler(JobQueue):
     def _record_acceptance(self, gen: Generation, accepted: int) -> None:
         """Tell the policy how one request's drafts fared (a refused draft ends its step)."""
         depth = gen.proposal.depth
-        if self.k_by_load is not None and depth:
+        if self.k_by_load is not None and depth and not gen.forced_step:  # forced drafts say nothing of the drafter
             self.k_by_load.record_drafts(accepted, int(accepted < depth))
 
     def _draft_shared(self, active: list[tuple[Job, Generation]]

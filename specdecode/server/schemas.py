@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from specdecode.config import MAX_LOGPROBS  # OpenAI's top_logprobs limit; completions take the same
+
 MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit; completions' logprobs takes the same range here
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
@@ -177,8 +178,8 @@ class CompletionRequest(_GenerationRequest):
         return [
             ("best_of", (self.best_of or 1) > 1, "best_of > 1 is not supported"),
             ("echo", bool(self.echo), "echo is not supported"),
-            ("logprobs", self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-             f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
+            ("logprobs", self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_LOGPROBS}"),
             ("suffix", bool(self.suffix), "suffix (insertion) is not supported"),
         ]
 
@@ -275,8 +276,8 @@ class ChatCompletionRequest(_GenerationRequest):
         checks = [
             ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
              "top_logprobs needs logprobs set to true"),
-            ("top_logprobs", self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-             f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
+            ("top_logprobs", self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS,
+             f"top_logprobs must be between 0 and {MAX_LOGPROBS}"),
             ("tools", bool(self.tools), "tools are not supported"),
             ("tool_choice", self.tool_choice not in (None, "none"), "tool_choice is not supported"),
             ("functions", bool(self.functions), "functions are not supported"),
