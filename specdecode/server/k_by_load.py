@@ -11,8 +11,11 @@ for eight, the most common complaint about speculative serving. Two policies:
 - ``AutoK``: picks, before every step, the K that maximizes the expected tokens per second of the
   whole step, from what the server has measured: the verify forward's time by number of rows,
   the draft time per draft step, and the acceptance rate of drafts. With nothing measured yet it
-  keeps the server's K; every ``EXPLORE_EVERY`` steps it tries a row count it has not measured
-  yet, so a choice of K = 0 under load is revisited when the load falls.
+  keeps the server's K. Row counts it has not measured are estimated optimistically (in
+  proportion to rows below the least measured), so it moves toward fewer rows and measures them;
+  and every ``EXPLORE_EVERY`` steps it tries the K next to its choice if that K's rows are not
+  measured, a step that costs about what the chosen one does, so the choice settles on measured
+  costs from either side.
 
 K is only ever a cap on each request's own draft length (which still adapts to that request's
 acceptance). Greedy output never depends on it; sampled output keeps exactly the target's
@@ -31,7 +34,7 @@ from specdecode.errors import InvalidConfigError
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d*)\s*)?:\s*(\d+)\s*$")
 EMA = 0.2  # weight of a new step's times in the running estimates
 ACCEPTANCE_EMA = 0.02  # weight of one request-step's drafts (many per step, each a noisy 0..K count)
-EXPLORE_EVERY = 32  # steps between tries of a row count not measured yet
+EXPLORE_EVERY = 16  # steps between tries of a neighbouring K whose rows are not measured yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,30 +115,29 @@ class AutoK:
         if acceptance is None or self.draft_step_s is None or not self.verify_s:
             return k_max
         options = [c for c in self.candidates if c <= k_max]
+        rates = [self._rate(running, k, acceptance) for k in options]
+        best = max(range(len(options)), key=lambda i: (rates[i], -i))  # ties: the smaller K
         if self.steps % EXPLORE_EVERY == 0:
-            unmeasured = [k for k in options if running * (k + 1) not in self.verify_s]
-            if unmeasured:
-                return unmeasured[0]
-        best_k, best_rate = 0, -1.0
-        for k in options:
-            tokens = running * sum(acceptance**i for i in range(k + 1))
-            seconds = max(k * self.draft_step_s + self.verify_time(running * (k + 1)), 1e-9)
-            if tokens / seconds > best_rate * (1 + 1e-9):
-                best_k, best_rate = k, tokens / seconds
-        return best_k
+            for i in (best - 1, best + 1):
+                if 0 <= i < len(options) and running * (options[i] + 1) not in self.verify_s:
+                    return options[i]
+        return options[best]
+
+    def _rate(self, running: int, k: int, acceptance: float) -> float:
+        """Expected tokens per second of a step of ``running`` requests drafting ``k`` each."""
+        tokens = running * sum(acceptance**i for i in range(k + 1))
+        return tokens / max(k * (self.draft_step_s or 0.0) + self.verify_time(running * (k + 1)), 1e-9)
 
     def verify_time(self, rows: int) -> float:
-        """Interpolated between the two measured row counts around ``rows``; outside them, scaled
-        from the nearest (cost never below it for more rows, linear in rows past the largest)."""
+        """Interpolated between the two measured row counts around ``rows``; outside them, in
+        proportion to rows from the nearest (optimistic below the least: see the module docstring)."""
         known = sorted(self.verify_s)
         i = bisect.bisect_left(known, rows)
         if i < len(known) and known[i] == rows:
             return self.verify_s[rows]
-        if i == 0:
-            return self.verify_s[known[0]]
-        if i == len(known):
-            last = known[-1]
-            return self.verify_s[last] * rows / last
+        if i in (0, len(known)):
+            edge = known[0] if i == 0 else known[-1]
+            return self.verify_s[edge] * rows / edge
         lo, hi = known[i - 1], known[i]
         return self.verify_s[lo] + (self.verify_s[hi] - self.verify_s[lo]) * (rows - lo) / (hi - lo)
 
