@@ -103,7 +103,7 @@ class GrammarCompiler:
         first = next((t for t in allowed if t not in grammar.eos_ids), None)
         if first is None:
             return
-        grammar.advance([first])
+        grammar.matcher.consume_tokens([first])
         if not grammar.matcher.rollback(1):
             raise InvalidConstraintError(f"the {constraint.kind} constraint cannot be used with speculative "
                                          "decoding: its grammar cannot undo a token (drop max_tokens= or stop= "
@@ -120,32 +120,37 @@ class GrammarCompiler:
 
 
 class TokenGrammar:
-    """One request's grammar state: the tokens committed so far, and masks for what may follow."""
+    """One request's grammar state: the tokens committed so far, and masks for what may follow.
+
+    A step asks for the same masks several times (the draft model drafting, ``prune``,
+    ``row_masks``) and for the forced tokens twice (``draft_budget`` and ``plan``); each is a pass
+    over the vocabulary, so they are kept, masks keyed by the drafts after the committed tokens,
+    until ``advance`` moves the state."""
 
     def __init__(self, matcher, eos_ids: frozenset[int], vocab_size: int) -> None:  # noqa: ANN001
         self.matcher, self.eos_ids, self.vocab_size = matcher, eos_ids, vocab_size
+        self._masks: dict[tuple[int, ...], Tensor | None] = {}
+        self._forced: list[int] | None = None
 
     def mask(self) -> Tensor:
-        """[V] bool: the tokens allowed next. A grammar that failed on the way (a parser limit)
-        is an error for the request, never a silent end of sequence."""
-        bitmask = self.matcher.compute_bitmask()
-        if self.matcher.is_error():
-            raise InvalidConstraintError(f"the grammar failed: {_first_line(self.matcher.get_error())}")
-        return _unpack(bitmask, self.vocab_size)
+        """[V] bool: the tokens allowed next."""
+        mask = self._mask_at(())
+        assert mask is not None  # the empty path is always valid
+        return mask
 
     def mask_after(self, drafts: list[int]) -> Tensor:
         """[V] bool: the tokens allowed after ``drafts`` (grammar-valid, no EOS), for a drafter
         that follows the grammar; the state is left where it was."""
-        if not drafts:
-            return self.mask()
-        self._consume(drafts)
-        mask = self.mask()
-        self._rollback(len(drafts))
+        mask = self._mask_at(tuple(drafts))
+        if mask is None:
+            raise RuntimeError(f"drafts {drafts[:8]} broke the grammar")
         return mask
 
     def forced(self) -> list[int]:
         """Tokens the grammar allows alone from here (e.g. ``{"`` then a required key)."""
-        return list(self.matcher.compute_ff_tokens())
+        if self._forced is None:
+            self._forced = list(self.matcher.compute_ff_tokens())
+        return self._forced
 
     def prune(self, proposal: DraftProposal) -> DraftProposal:
         """``proposal`` without the drafts the grammar rejects (a chain keeps its valid prefix; a
@@ -154,7 +159,11 @@ class TokenGrammar:
             return proposal
         tokens = proposal.tokens.tolist()
         if proposal.parents is None:
-            n = self._valid_prefix(tokens)
+            n = 0
+            while n < proposal.k and self._allows(tokens[:n], tokens[n]):
+                n += 1
+                if tokens[n - 1] in self.eos_ids:  # the request ends there
+                    break
             sampled = proposal.probs is not None  # keep its first invalid draft: see the module docstring
             return proposal.truncated(n + 1 if sampled and n < proposal.k else n)
         keep: list[int] = []
@@ -162,7 +171,7 @@ class TokenGrammar:
             if parent >= 0 and (parent not in keep or tokens[parent] in self.eos_ids):
                 continue
             path = _path(tokens, proposal.parents, i)
-            if self._valid_prefix(path) == len(path):
+            if self._allows(path[:-1], path[-1]):
                 keep.append(i)
         return proposal.kept(keep)
 
@@ -176,34 +185,39 @@ class TokenGrammar:
         rows = [self.mask()]
         for i in range(proposal.k):
             path = _path(tokens, parents, i)
-            if path[-1] in self.eos_ids or self._valid_prefix(path) < len(path):
-                rows.append(torch.ones(self.vocab_size, dtype=torch.bool))
-                continue
-            self._consume(path)
-            rows.append(self.mask())
-            self._rollback(len(path))
+            mask = None if path[-1] in self.eos_ids else self._mask_at(tuple(path))
+            rows.append(torch.ones(self.vocab_size, dtype=torch.bool) if mask is None else mask)
         return torch.stack(rows)
 
     def advance(self, tokens: list[int]) -> None:
         """Commit ``tokens`` (each one the masks allowed)."""
         if tokens:
-            self._consume(tokens)
+            self._masks.clear()
+            self._forced = None
+            if not self.matcher.consume_tokens(tokens):
+                raise RuntimeError(f"tokens {tokens[:8]} broke the grammar: {self.matcher.get_error()}")
 
-    def _valid_prefix(self, tokens: list[int]) -> int:
-        """How many of ``tokens`` the grammar accepts from here, an EOS only where it may end."""
-        eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
-        n = self.matcher.try_consume_tokens(tokens[:eos_at])
-        eos_ok = n == eos_at < len(tokens) and bool(self.mask()[tokens[eos_at]])
-        self._rollback(n)
-        return n + eos_ok
+    def _allows(self, drafts: list[int], token: int) -> bool:
+        """Whether ``token`` may follow the committed tokens and ``drafts`` (which contain no EOS)."""
+        mask = self._mask_at(tuple(drafts))
+        return mask is not None and bool(mask[token])
 
-    def _consume(self, tokens: list[int]) -> None:
-        if not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"tokens {tokens[:8]} broke the grammar: {self.matcher.get_error()}")
-
-    def _rollback(self, n: int) -> None:
-        if n and not self.matcher.rollback(n):
-            raise RuntimeError(f"the grammar could not undo {n} tokens: {self.matcher.get_error()}")
+    def _mask_at(self, drafts: tuple[int, ...]) -> Tensor | None:
+        """[V] bool after ``drafts`` (no EOS among them), or None if the grammar rejects them. A
+        grammar that failed on the way (a parser limit) is an error for the request, never a
+        silent end of sequence."""
+        if drafts not in self._masks:
+            n = self.matcher.try_consume_tokens(list(drafts))
+            mask = None
+            if n == len(drafts):
+                bitmask = self.matcher.compute_bitmask()
+                if self.matcher.is_error():
+                    raise InvalidConstraintError(f"the grammar failed: {_first_line(self.matcher.get_error())}")
+                mask = _unpack(bitmask, self.vocab_size)
+            if n and not self.matcher.rollback(n):
+                raise RuntimeError(f"the grammar could not undo {n} tokens: {self.matcher.get_error()}")
+            self._masks[drafts] = mask
+        return self._masks[drafts]
 
 
 def apply_mask(logits: Tensor, allowed: Tensor) -> Tensor:
