@@ -7,7 +7,7 @@ import pytest
 
 from specdecode.config import SamplingParams
 from specdecode.errors import InvalidConfigError
-from specdecode.server.k_by_load import AutoK, KSchedule, parse_k_by_load
+from specdecode.server.k_by_load import AutoK, KSchedule, StepLoad, parse_k_by_load
 from specdecode.server.scheduler import Scheduler
 from tests.conftest import spec_k
 from tests.test_scheduler import _prompts, _run_concurrently, llm  # noqa: F401 - the module's fixture
@@ -15,9 +15,9 @@ from tests.test_scheduler import _prompts, _run_concurrently, llm  # noqa: F401 
 
 def test_the_table_reads_like_vllms():
     table = KSchedule.parse("1-2:12, 3-4:6,5-:0")
-    assert [table.k_for(n, 12) for n in range(1, 9)] == [12, 12, 6, 6, 0, 0, 0, 0]
-    assert KSchedule.parse("2:3").k_for(2, 8) == 3 and KSchedule.parse("2:3").k_for(1, 8) == 8  # unlisted: -k
-    assert KSchedule.parse("1-:16").k_for(1, 4) == 4  # never above the server's K
+    assert [table.k_for(StepLoad(n), 12) for n in range(1, 9)] == [12, 12, 6, 6, 0, 0, 0, 0]
+    assert KSchedule.parse("2:3").k_for(StepLoad(2), 8) == 3 and KSchedule.parse("2:3").k_for(StepLoad(1), 8) == 8  # unlisted: -k
+    assert KSchedule.parse("1-:16").k_for(StepLoad(1), 4) == 4  # never above the server's K
     assert parse_k_by_load(None) is None and isinstance(parse_k_by_load("auto"), AutoK)
 
 
@@ -31,7 +31,7 @@ def _measured(verify: dict[int, float], draft_step_s: float, acceptance: float) 
     auto = AutoK()
     for rows, seconds in verify.items():
         auto.record_step(rows, seconds, 0, 0.0)
-    auto.record_step(min(verify), verify[min(verify)], 4, 4 * draft_step_s)
+    auto.record_step(min(verify), verify[min(verify)], 4, 4 * draft_step_s, drafting=1)
     for accepted in _steps_at(acceptance, k=4, n=400):  # as the scheduler reports them: one request-step each
         auto.record_drafts(accepted, int(accepted < 4))
     return auto
@@ -54,10 +54,10 @@ def test_auto_keeps_k_while_verifying_is_flat_and_drops_it_when_rows_cost():
     # A CPU's verify: flat to ~16 rows (one pass over the weights), then linear in rows.
     verify = {r: 0.07 * max(1.0, r / 16) for r in (1, 2, 4, 8, 13, 16, 32, 52, 64, 104)}
     auto = _measured(verify, draft_step_s=0.004, acceptance=0.8)
-    assert auto.k_for(1, 12) >= 8  # one request: long drafts are nearly free
-    assert auto.k_for(8, 12) <= 1  # eight: every draft row costs a whole row of compute
-    assert [auto.k_for(n, 12) for n in (1, 2, 4, 8)] == sorted((auto.k_for(n, 12) for n in (1, 2, 4, 8)), reverse=True)
-    assert _measured(verify, 0.004, acceptance=0.01).k_for(1, 12) == 0  # drafts never kept: do not draft
+    assert auto.k_for(StepLoad(1), 12) >= 8  # one request: long drafts are nearly free
+    assert auto.k_for(StepLoad(8), 12) <= 1  # eight: every draft row costs a whole row of compute
+    assert [auto.k_for(StepLoad(n), 12) for n in (1, 2, 4, 8)] == sorted((auto.k_for(StepLoad(n), 12) for n in (1, 2, 4, 8)), reverse=True)
+    assert _measured(verify, 0.004, acceptance=0.01).k_for(StepLoad(1), 12) == 0  # drafts never kept: do not draft
 
 
 def test_auto_estimates_the_per_draft_acceptance_from_request_steps():
@@ -67,10 +67,10 @@ def test_auto_estimates_the_per_draft_acceptance_from_request_steps():
 
 def test_auto_tries_the_unmeasured_neighbour_of_its_choice():
     auto = _measured({8: 0.15, 32: 0.6}, draft_step_s=0.06, acceptance=0.3)
-    picks = [auto.k_for(8, 12) for _ in range(32)]
+    picks = [auto.k_for(StepLoad(8), 12) for _ in range(32)]
     assert picks.count(0) == 30 and picks.count(1) == 2  # K=1 (16 rows) every 16th step, until measured
     auto.record_step(16, 0.3, 1, 0.06)
-    assert [auto.k_for(8, 12) for _ in range(32)] == [0] * 32
+    assert [auto.k_for(StepLoad(8), 12) for _ in range(32)] == [0] * 32
 
 
 def test_auto_settles_on_measured_costs_from_the_servers_k():
@@ -82,23 +82,55 @@ def test_auto_settles_on_measured_costs_from_the_servers_k():
 
     for running, draft_step, want in ((1, 0.013, (1, 2, 3)), (8, 0.063, (0,))):
         auto = AutoK()
-        auto.record_step(running * 13, cost(running * 13), 12, 12 * draft_step)
+        auto.record_step(running * 13, cost(running * 13), 12, 12 * draft_step, drafting=running)
         for accepted in _steps_at(0.8, k=12, n=400):
             auto.record_drafts(accepted, int(accepted < 12))
         picks = []
         for _ in range(200):
-            k = auto.k_for(running, 12)
-            auto.record_step(running * (k + 1), cost(running * (k + 1)), k, k * draft_step)
+            k = auto.k_for(StepLoad(running), 12)
+            auto.record_step(running * (k + 1), cost(running * (k + 1)), k, k * draft_step, drafting=running * bool(k))
             picks.append(k)
         assert set(picks[-50:]) <= set(want) | {k for k in picks[-50:] if picks[-50:].count(k) <= 4}, picks
         assert max(set(picks[-50:]), key=picks[-50:].count) in want, picks
 
 
 def test_auto_starts_at_the_servers_k_and_interpolates():
-    assert AutoK().k_for(4, 7) == 7
+    assert AutoK().k_for(StepLoad(4), 7) == 7
     auto = _measured({2: 1.0, 6: 2.0}, 0.01, 0.5)
     assert auto.verify_time(4) == pytest.approx(1.5) and auto.verify_time(12) == pytest.approx(4.0)
     assert auto.verify_time(1) == pytest.approx(0.5)  # below the least measured: in proportion
+
+
+def test_the_table_counts_prompts_still_prefilling():
+    table = KSchedule.parse("1-2:12,3-:0")
+    assert table.k_for(StepLoad(decoding=2, admitted=2), 12) == 12
+    assert table.k_for(StepLoad(decoding=2, admitted=5), 12) == 0  # a wave is arriving: K is down already
+
+
+def _warm_single_request() -> AutoK:
+    """One request on a flat verify (drafts nearly free), acceptance 0.8: warm, auto drafts long."""
+    return _measured({1: 0.05, 2: 0.051, 4: 0.052, 8: 0.055, 13: 0.06}, draft_step_s=0.004, acceptance=0.8)
+
+
+def test_auto_learns_the_catch_up_cost_per_token():
+    auto = _warm_single_request()
+    auto.record_step(5, 0.053, 4, 4 * 0.004 + 300 * 0.002, drafting=1, caught_up=300)
+    assert auto.catch_up_token_s == pytest.approx(0.002)
+    assert auto.draft_step_s == pytest.approx({1: 0.004})  # a catch-up step says nothing of a draft step's time
+
+
+def test_auto_drafts_after_a_catch_up_only_if_the_requests_live_to_repay_it():
+    auto = _warm_single_request()
+    auto.record_step(5, 0.053, 4, 4 * 0.004 + 300 * 0.002, drafting=1, caught_up=300)
+    assert auto.k_for(StepLoad(1), 12) >= 4  # warm: no catch-up due
+    assert auto.k_for(StepLoad(1, catch_up=300, remaining=256), 12) >= 4  # 0.6 s repaid over 256 tokens
+    assert auto.k_for(StepLoad(1, catch_up=300, remaining=8), 12) == 0  # a wave's tail: not repaid
+
+
+def test_auto_never_explores_into_a_catch_up():
+    auto = _measured({8: 0.15, 32: 0.6}, draft_step_s=0.06, acceptance=0.3)
+    assert [auto.k_for(StepLoad(8, catch_up=800), 12) for _ in range(64)] == [0] * 64
+    assert 1 in [auto.k_for(StepLoad(8), 12) for _ in range(32)]  # warm drafts: the neighbour is tried
 
 
 def _verify_rows(monkeypatch, llm) -> list[list[int]]:  # noqa: F811
@@ -136,4 +168,22 @@ def test_auto_scheduler_learns_and_stays_exact(llm, monkeypatch):  # noqa: F811
     scheduler = Scheduler(llm, method="draft_model", max_concurrency=3, k_by_load=auto)
     results = _run_concurrently(scheduler, prompts, params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
-    assert auto.verify_s and auto.draft_step_s is not None and 0 < auto.acceptance < 1
+    assert auto.verify_s and auto.draft_step_s and 0 < auto.acceptance < 1
+
+
+def test_auto_at_k0_leaves_the_draft_model_idle(llm, monkeypatch):  # noqa: F811
+    """Where drafts never pay, auto's server runs as plain decoding: the draft model never runs
+    (no prompt prefill on it either), and the outputs are plain decoding's."""
+    prompts = _prompts(llm, 3)
+    params = [SamplingParams(max_tokens=20, ignore_eos=True) for _ in prompts]
+    plain = [llm.engine.generate(p, q, None, spec_k(1)) for p, q in zip(prompts, params)]
+    auto = _measured({r: 0.05 * r for r in range(1, 40)}, draft_step_s=0.01, acceptance=0.01)
+    draft = llm.new_drafter("draft_model", 64).model
+    calls = []
+    for name in ("forward", "forward_batch"):
+        real = getattr(draft, name)
+        monkeypatch.setattr(draft, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
+    scheduler = Scheduler(llm, method="draft_model", max_concurrency=3, k_by_load=auto)
+    results = _run_concurrently(scheduler, prompts, params)
+    assert [out.token_ids for _, out in results] == [alone.token_ids for alone in plain]
+    assert calls == []

@@ -171,5 +171,11 @@ class Drafter(ABC):
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         """The first ``n_accepted`` drafts were kept and one more token was appended to ``seq``."""
 
+    def catch_up(self, seq: SequenceState) -> int:
+        """Committed tokens this drafter must run through its own model before it can draft again,
+        beyond the few a draft step feeds anyway: a prefill's worth after the prompt or a stretch
+        of steps without drafts. A server under load weighs this before asking for drafts."""
+        return 0
+
     def finish(self, seq: SequenceState) -> None:
         """The request ended (drafters that learn from whole requests)."""

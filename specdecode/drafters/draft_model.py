@@ -80,6 +80,10 @@ class DraftModelDrafter(Drafter):
         """This step's drafting state for ``seq``, ``k`` cut to what the draft cache still holds."""
         return _DraftRun(self, seq, min(k, self.cache.capacity - len(seq.token_ids)), argmax)
 
+    def catch_up(self, seq: SequenceState) -> int:
+        pending = len(seq.token_ids) - self._cached
+        return pending if pending > BATCHED_CATCH_UP else 0
+
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         # The cache holds committed tokens plus drafts 1..K-1; keep the accepted drafts only.
         # When all K were accepted, draft K is not cached yet and is fed at the next propose.

@@ -7,15 +7,25 @@ for eight, the most common complaint about speculative serving. Two policies:
 
 - ``KSchedule``: a fixed table, ``1-2:12,3-4:6,5-:0`` (the shape of vLLM's
   ``num_speculative_tokens_per_batch_size``): K = 12 for one or two running requests, 6 for three
-  or four, none from five on. A count the table does not name keeps the server's own K.
+  or four, none from five on. Running requests are those admitted, prompts still prefilling
+  included, so the table turns K down as a wave arrives rather than one step after its prefill.
+  A count the table does not name keeps the server's own K.
 - ``AutoK``: picks, before every step, the K that maximizes the expected tokens per second of the
-  whole step, from what the server has measured: the verify forward's time by number of rows,
-  the draft time per draft step, and the acceptance rate of drafts. With nothing measured yet it
-  keeps the server's K. Row counts it has not measured are estimated optimistically (in
-  proportion to rows below the least measured), so it moves toward fewer rows and measures them;
-  and every ``EXPLORE_EVERY`` steps it tries the K next to its choice if that K's rows are not
-  measured, a step that costs about what the chosen one does, so the choice settles on measured
-  costs from either side.
+  step's requests, from what the server has measured: the verify forward's time by number of
+  rows, a draft step's time by number of requests drafting, the acceptance rate of drafts, and
+  the draft model's time per token when it catches up. With nothing measured yet it keeps the
+  server's K. Row counts it has not measured are estimated optimistically (in proportion to rows
+  below the least measured), so it moves toward fewer rows and measures them; and every
+  ``EXPLORE_EVERY`` steps it tries the K next to its choice if that K's rows are not measured,
+  a step that costs about what the chosen one does, so the choice settles on measured costs from
+  either side.
+
+Drafting again after steps without drafts (or for a request that never drafted) first feeds the
+draft model every token it missed: a prompt's prefill on the draft. AutoK charges that once
+against the tokens the requests may still make (``max_tokens`` left, at most ``HORIZON``), so a
+cheap-looking K that needs a catch-up is taken only when the requests live long enough to repay
+it, and exploration never pays one. Where speculation cannot pay, auto stays at K = 0 and the
+draft model does no work at all: the server runs as plain decoding does.
 
 K is only ever a cap on each request's own draft length (which still adapts to that request's
 acceptance). Greedy output never depends on it; sampled output keeps exactly the target's
@@ -35,6 +45,27 @@ _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d*)\s*)?:\s*(\d+)\s*$")
 EMA = 0.2  # weight of a new step's times in the running estimates
 ACCEPTANCE_EMA = 0.02  # weight of one request-step's drafts (many per step, each a noisy 0..K count)
 EXPLORE_EVERY = 16  # steps between tries of a neighbouring K whose rows are not measured yet
+HORIZON = 256  # most tokens a request is counted on to make: max_tokens bounds it, EOS often comes sooner
+
+
+@dataclass(frozen=True, slots=True)
+class StepLoad:
+    """What a step's K is chosen for (the scheduler fills it before drafting).
+
+    ``decoding``: requests in this step's verify forward. ``admitted``: those plus the prompts
+    still prefilling, the running count a table reads. ``catch_up``: tokens the requests' drafters
+    must feed before they can draft (``Drafter.catch_up``). ``remaining``: tokens each decoding
+    request may still make, on average (``max_tokens`` left, at most ``HORIZON``).
+    """
+
+    decoding: int
+    admitted: int = 0
+    catch_up: int = 0
+    remaining: float = HORIZON
+
+    @property
+    def running(self) -> int:
+        return max(self.admitted, self.decoding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +106,11 @@ class KSchedule:
                 raise InvalidConfigError(f"--k-by-load: ranges overlap at {b.start} requests")
         return cls(tuple(ranges))
 
-    def k_for(self, running: int, k_max: int) -> int:
-        return next((min(r.k, k_max) for r in self.ranges if r.holds(running)), k_max)
+    def k_for(self, load: StepLoad, k_max: int) -> int:
+        return next((min(r.k, k_max) for r in self.ranges if r.holds(load.running)), k_max)
 
-    def record_step(self, rows: int, forward_s: float, draft_steps: int, draft_s: float) -> None:
+    def record_step(self, rows: int, forward_s: float, draft_steps: int = 0, draft_s: float = 0.0,
+                    drafting: int = 0, caught_up: int = 0) -> None:
         """A fixed table learns nothing."""
 
     def record_drafts(self, accepted: int, rejected: int) -> None:
@@ -91,15 +123,17 @@ class AutoK:
 
     Expected tokens per request of a step with K drafts at acceptance rate a (each draft kept with
     probability a, given the ones before it were): 1 + a + ... + a^K. Time of the step: K draft
-    forwards (``draft_step_s`` each, shared by the requests drafting together) plus the verify
-    forward of running * (K + 1) rows, estimated from the rows measured nearest to it.
+    forwards (shared by the requests drafting together) plus the verify forward of
+    decoding * (K + 1) rows, each estimated from the counts measured nearest to it; plus, once
+    over the requests' remaining steps, the draft model's catch-up.
     """
 
     candidates: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32)
     accepted: float | None = None  # running mean of drafts kept per request-step
     tried: float | None = None  # running mean of drafts decided per request-step (kept + refused)
-    draft_step_s: float | None = None  # one draft forward (for all requests drafting in it)
+    draft_step_s: dict[int, float] = field(default_factory=dict)  # one draft forward, by requests in it
     verify_s: dict[int, float] = field(default_factory=dict)  # forward time by rows
+    catch_up_token_s: float | None = None  # draft time per caught-up token
     steps: int = 0
 
     @property
@@ -109,43 +143,53 @@ class AutoK:
             return None
         return min(self.accepted / self.tried, 0.999)
 
-    def k_for(self, running: int, k_max: int) -> int:
+    def k_for(self, load: StepLoad, k_max: int) -> int:
         self.steps += 1
         acceptance = self.acceptance
-        if acceptance is None or self.draft_step_s is None or not self.verify_s:
+        if acceptance is None or not self.draft_step_s or not self.verify_s:
             return k_max
         options = [c for c in self.candidates if c <= k_max]
-        rates = [self._rate(running, k, acceptance) for k in options]
+        rates = [self._rate(load, k, acceptance) for k in options]
         best = max(range(len(options)), key=lambda i: (rates[i], -i))  # ties: the smaller K
         if self.steps % EXPLORE_EVERY == 0:
             for i in (best - 1, best + 1):
-                if 0 <= i < len(options) and running * (options[i] + 1) not in self.verify_s:
+                if (0 <= i < len(options) and load.decoding * (options[i] + 1) not in self.verify_s
+                        and (options[i] == 0 or not load.catch_up)):
                     return options[i]
         return options[best]
 
-    def _rate(self, running: int, k: int, acceptance: float) -> float:
-        """Expected tokens per second of a step of ``running`` requests drafting ``k`` each."""
-        tokens = running * sum(acceptance**i for i in range(k + 1))
-        return tokens / max(k * (self.draft_step_s or 0.0) + self.verify_time(running * (k + 1)), 1e-9)
+    def _rate(self, load: StepLoad, k: int, acceptance: float) -> float:
+        """Expected tokens per second of ``load``'s requests drafting ``k`` each."""
+        n = load.decoding
+        per_request = sum(acceptance**i for i in range(k + 1))
+        step_s = max(k * self.draft_time(n) + self.verify_time(n * (k + 1)), 1e-9)
+        if not k or not load.catch_up:
+            return n * per_request / step_s
+        steps = max(load.remaining / per_request, 1.0)
+        return n * per_request * steps / (steps * step_s + load.catch_up * (self.catch_up_token_s or 0.0))
 
     def verify_time(self, rows: int) -> float:
         """Interpolated between the two measured row counts around ``rows``; outside them, in
         proportion to rows from the nearest (optimistic below the least: see the module docstring)."""
-        known = sorted(self.verify_s)
-        i = bisect.bisect_left(known, rows)
-        if i < len(known) and known[i] == rows:
-            return self.verify_s[rows]
-        if i in (0, len(known)):
-            edge = known[0] if i == 0 else known[-1]
-            return self.verify_s[edge] * rows / edge
-        lo, hi = known[i - 1], known[i]
-        return self.verify_s[lo] + (self.verify_s[hi] - self.verify_s[lo]) * (rows - lo) / (hi - lo)
+        return _estimate(self.verify_s, rows)
 
-    def record_step(self, rows: int, forward_s: float, draft_steps: int, draft_s: float) -> None:
-        """One step's verify forward (``rows`` rows) and drafting (``draft_steps`` forwards in ``draft_s``)."""
+    def draft_time(self, requests: int) -> float:
+        """One draft forward for ``requests`` drafting together, estimated as ``verify_time`` is."""
+        return _estimate(self.draft_step_s, requests) if self.draft_step_s else 0.0
+
+    def record_step(self, rows: int, forward_s: float, draft_steps: int = 0, draft_s: float = 0.0,
+                    drafting: int = 0, caught_up: int = 0) -> None:
+        """One step: its verify forward (``rows`` rows), and ``drafting`` requests' drafting,
+        ``draft_steps`` forwards deep, in ``draft_s``, which fed ``caught_up`` tokens first. A
+        catch-up's time is what the step's drafting took beyond its draft forwards' estimate."""
         self.verify_s[rows] = _ema(self.verify_s.get(rows), forward_s)
-        if draft_steps:
-            self.draft_step_s = _ema(self.draft_step_s, draft_s / draft_steps)
+        if not (draft_steps and drafting):
+            return
+        if not caught_up:
+            self.draft_step_s[drafting] = _ema(self.draft_step_s.get(drafting), draft_s / draft_steps)
+        elif self.draft_step_s:
+            extra = max(draft_s - draft_steps * self.draft_time(drafting), 0.0)
+            self.catch_up_token_s = _ema(self.catch_up_token_s, extra / caught_up)
 
     def record_drafts(self, accepted: int, rejected: int) -> None:
         """One request's step: ``accepted`` drafts kept, ``rejected`` (0 or 1) refused; the first
@@ -153,6 +197,20 @@ class AutoK:
         if accepted + rejected:
             self.accepted = _ema(self.accepted, accepted, ACCEPTANCE_EMA)
             self.tried = _ema(self.tried, accepted + rejected, ACCEPTANCE_EMA)
+
+
+def _estimate(measured: dict[int, float], x: int) -> float:
+    """``measured`` (by count) at ``x``: interpolated between the two counts around it; outside
+    them, in proportion to the count from the nearest."""
+    known = sorted(measured)
+    i = bisect.bisect_left(known, x)
+    if i < len(known) and known[i] == x:
+        return measured[x]
+    if i in (0, len(known)):
+        edge = known[0] if i == 0 else known[-1]
+        return measured[edge] * x / edge
+    lo, hi = known[i - 1], known[i]
+    return measured[lo] + (measured[hi] - measured[lo]) * (x - lo) / (hi - lo)
 
 
 def _ema(old: float | None, new: float, weight: float = EMA) -> float:

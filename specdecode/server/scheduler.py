@@ -36,7 +36,7 @@ from specdecode.drafters.base import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter, draft_batch
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.errors import ServerBusyError
-from specdecode.server.k_by_load import AutoK, KSchedule
+from specdecode.server.k_by_load import HORIZON, AutoK, KSchedule, StepLoad
 
 _DONE = object()
 
@@ -192,7 +192,7 @@ class Scheduler(JobQueue):
                         job = prefilling.pop(0).job
                         if gen is not None:
                             active.append((job, gen))
-                active = self._step(active)
+                active = self._step(active, prefilling=len(prefilling))
             except Exception as exc:  # noqa: BLE001 - a bug: fail the requests in hand, keep serving
                 for job in [p.job for p in prefilling] + [job for job, _ in active]:
                     job._emit(exc)
@@ -242,13 +242,17 @@ class Scheduler(JobQueue):
         self._release(job)
         return None
 
-    def _step(self, active: list[tuple[Job, Generation]]) -> list[tuple[Job, Generation]]:
-        """Draft for every active request, verify all drafts in one target forward, commit."""
+    def _step(self, active: list[tuple[Job, Generation]], prefilling: int = 0) -> list[tuple[Job, Generation]]:
+        """Draft for every active request, verify all drafts in one target forward, commit.
+        ``prefilling``: admitted requests whose prompts are still running (the load K reads)."""
         t_draft = time.perf_counter()
+        drafting = caught_up = 0
         if self.k_by_load is not None:  # K for this step, from how many requests share it
-            cap = self.k_by_load.k_for(len(active), self.k)
+            cap = self.k_by_load.k_for(_step_load(active, prefilling), self.k)
             for _, gen in active:
                 gen.k_cap = cap
+            feeding = [gen for _, gen in active if gen.drafter is not None and gen.draft_budget() > 0]
+            drafting, caught_up = len(feeding), sum(gen.drafter.catch_up(gen.seq) for gen in feeding)
         active, proposals = self._draft_shared(active)
         batch: list[tuple[Job, Generation, object]] = []
         for job, gen in active:
@@ -278,7 +282,7 @@ class Scheduler(JobQueue):
                 self._release(job)
             return []
         forward_s = time.perf_counter() - t0
-        self._record_load(batch, forward_s, draft_s)
+        self._record_load(batch, forward_s, draft_s, drafting, caught_up)
         still: list[tuple[Job, Generation]] = []
         for (job, gen, _), rows in zip(batch, logits):
             try:
@@ -294,11 +298,13 @@ class Scheduler(JobQueue):
             self._release(job)
         return still
 
-    def _record_load(self, batch: list[tuple[Job, Generation, Any]], forward_s: float, draft_s: float) -> None:
-        """Tell the K-by-load policy what this step's verify and drafting cost."""
+    def _record_load(self, batch: list[tuple[Job, Generation, Any]], forward_s: float, draft_s: float,
+                     drafting: int, caught_up: int) -> None:
+        """Tell the K-by-load policy what this step's verify and drafting cost: ``drafting``
+        requests drafted, first feeding their draft models ``caught_up`` tokens."""
         if self.k_by_load is not None:
             self.k_by_load.record_step(sum(int(inputs.shape[0]) for _, _, inputs in batch), forward_s,
-                                       max(gen.proposal.depth for _, gen, _ in batch), draft_s)
+                                       max(gen.proposal.depth for _, gen, _ in batch), draft_s, drafting, caught_up)
 
     def _record_acceptance(self, gen: Generation, accepted: int) -> None:
         """Tell the policy how one request's drafts fared (a refused draft ends its step)."""
@@ -342,6 +348,14 @@ class Scheduler(JobQueue):
         with self._lock:
             self._running.discard(job)
         job._emit(_DONE)
+
+
+def _step_load(active: list[tuple[Job, Generation]], prefilling: int) -> StepLoad:
+    """The load a step's K is chosen for: see ``StepLoad``."""
+    gens = [gen for _, gen in active]
+    catch_up = sum(gen.drafter.catch_up(gen.seq) for gen in gens if gen.drafter is not None)
+    left = [min(gen.seq.params.max_tokens - gen.seq.num_generated, HORIZON) for gen in gens]
+    return StepLoad(len(gens), len(gens) + prefilling, catch_up, sum(left) / len(left) if left else HORIZON)
 
 
 class _Cancelled(Exception):
