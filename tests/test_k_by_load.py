@@ -171,13 +171,15 @@ def test_auto_scheduler_learns_and_stays_exact(llm, monkeypatch):  # noqa: F811
     assert auto.verify_s and auto.draft_step_s and 0 < auto.acceptance < 1
 
 
-def test_auto_at_k0_leaves_the_draft_model_idle(llm, monkeypatch):  # noqa: F811
-    """Where drafts never pay, auto's server runs as plain decoding: the draft model never runs
-    (no prompt prefill on it either), and the outputs are plain decoding's."""
+def test_auto_leaves_the_draft_model_idle_when_catching_up_does_not_pay(llm, monkeypatch):  # noqa: F811
+    """Drafts that would first need their draft model to catch up (every request's prompt, here),
+    at a cost the requests cannot repay, are never asked for: the draft model never runs, and
+    the server's outputs are plain decoding's."""
     prompts = _prompts(llm, 3)
     params = [SamplingParams(max_tokens=20, ignore_eos=True) for _ in prompts]
     plain = [llm.engine.generate(p, q, None, spec_k(1)) for p, q in zip(prompts, params)]
-    auto = _measured({r: 0.05 * r for r in range(1, 40)}, draft_step_s=0.01, acceptance=0.01)
+    auto = _measured({r: 0.05 for r in range(1, 40)}, draft_step_s=0.01, acceptance=0.5)  # drafts would pay
+    auto.catch_up_token_s = 1.0
     draft = llm.new_drafter("draft_model", 64).model
     calls = []
     for name in ("forward", "forward_batch"):
@@ -186,4 +188,18 @@ def test_auto_at_k0_leaves_the_draft_model_idle(llm, monkeypatch):  # noqa: F811
     scheduler = Scheduler(llm, method="draft_model", max_concurrency=3, k_by_load=auto)
     results = _run_concurrently(scheduler, prompts, params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in plain]
-    assert calls == []
+    assert calls == [] and scheduler.step_k == 0
+
+
+def test_the_k_by_load_gauge_shows_the_last_steps_cap():
+    from prometheus_client import generate_latest
+
+    from specdecode.server.metrics import ServerMetrics
+
+    class Load:
+        running, waiting, step_k = 0, 0, None
+
+    metrics = ServerMetrics(Load, "m", "draft_model", 12)
+    assert "specdecode_k_by_load 12.0" in generate_latest(metrics.registry).decode()  # off: the server's K
+    Load.step_k = 3
+    assert "specdecode_k_by_load 3.0" in generate_latest(metrics.registry).decode()

@@ -33,6 +33,9 @@ class Load(Protocol):
     @property
     def waiting(self) -> int: ...
 
+    @property
+    def step_k(self) -> int | None: ...
+
 
 class ServerMetrics:
     """Every metric ``GET /metrics`` exposes, and the calls that update them."""
@@ -49,6 +52,9 @@ class ServerMetrics:
         running.set_function(lambda: load.running)
         waiting = Gauge("specdecode_num_requests_waiting", "Requests queued, not yet generating.", registry=r)
         waiting.set_function(lambda: load.waiting)
+        step_k = Gauge("specdecode_k_by_load", "The K that --k-by-load allowed the last decode step "
+                       "(the server's K when --k-by-load is off).", registry=r)
+        step_k.set_function(lambda: k if load.step_k is None else load.step_k)
         self.ttft = Histogram("specdecode_time_to_first_token_seconds",
                               "From submission (queue wait included) to the first token.",
                               buckets=TTFT_BUCKETS, registry=r)

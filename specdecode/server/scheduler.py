@@ -90,6 +90,7 @@ class JobQueue(ABC):
     k: int | None = None
     running: int = 0  # requests generating now
     waiting: int = 0  # requests queued behind them
+    step_k: int | None = None  # the K cap --k-by-load set for the last step (None: no cap)
 
     @property
     def alive(self) -> bool:
@@ -248,7 +249,7 @@ class Scheduler(JobQueue):
         t_draft = time.perf_counter()
         drafting = caught_up = 0
         if self.k_by_load is not None:  # K for this step, from how many requests share it
-            cap = self.k_by_load.k_for(_step_load(active, prefilling), self.k)
+            cap = self.step_k = self.k_by_load.k_for(_step_load(active, prefilling), self.k)
             for _, gen in active:
                 gen.k_cap = cap
             feeding = [gen for _, gen in active if gen.drafter is not None and gen.draft_budget() > 0]
