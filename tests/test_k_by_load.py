@@ -112,24 +112,29 @@ def _warm_single_request() -> AutoK:
     return _measured({1: 0.05, 2: 0.051, 4: 0.052, 8: 0.055, 13: 0.06}, draft_step_s=0.004, acceptance=0.8)
 
 
+CATCH_UP_300 = [(300, 0.004 + 300 * 0.002)]  # a 300-token catch-up forward as the draft model times it
+
+
 def test_auto_learns_the_catch_up_cost_per_token():
     auto = _warm_single_request()
-    auto.record_step(5, 0.053, 4, 4 * 0.004 + 300 * 0.002, drafting=1, caught_up=300)
-    assert auto.catch_up_token_s == pytest.approx(0.002)
+    auto.record_step(5, 0.053, 4, 4 * 0.004 + 300 * 0.002, drafting=1, catch_ups=CATCH_UP_300)
+    assert auto.catch_up_token_s == pytest.approx(0.002)  # beyond the draft step the forward also made
     assert auto.draft_step_s == pytest.approx({1: 0.004})  # a catch-up step says nothing of a draft step's time
+    assert auto.catch_up_time(StepLoad(2, catch_up=20, catching_up=2)) == pytest.approx(2 * 0.004 + 20 * 0.002)
 
 
 def test_auto_drafts_after_a_catch_up_only_if_the_requests_live_to_repay_it():
     auto = _warm_single_request()
-    auto.record_step(5, 0.053, 4, 4 * 0.004 + 300 * 0.002, drafting=1, caught_up=300)
+    auto.record_step(5, 0.053, 4, 4 * 0.004 + 300 * 0.002, drafting=1, catch_ups=CATCH_UP_300)
     assert auto.k_for(StepLoad(1), 12) >= 4  # warm: no catch-up due
-    assert auto.k_for(StepLoad(1, catch_up=300, remaining=256), 12) >= 4  # 0.6 s repaid over 256 tokens
-    assert auto.k_for(StepLoad(1, catch_up=300, remaining=8), 12) == 0  # a wave's tail: not repaid
+    assert auto.k_for(StepLoad(1, catch_up=300, catching_up=1, remaining=256), 12) >= 4  # 0.6 s repaid
+    assert auto.k_for(StepLoad(1, catch_up=300, catching_up=1, remaining=8), 12) == 0  # a wave's tail: not repaid
 
 
 def test_auto_never_explores_into_a_catch_up():
     auto = _measured({8: 0.15, 32: 0.6}, draft_step_s=0.06, acceptance=0.3)
-    assert [auto.k_for(StepLoad(8, catch_up=800), 12) for _ in range(64)] == [0] * 64
+    auto.catch_up_token_s = 0.0  # even a catch-up thought free
+    assert [auto.k_for(StepLoad(8, catch_up=800, catching_up=8), 12) for _ in range(64)] == [0] * 64
     assert 1 in [auto.k_for(StepLoad(8), 12) for _ in range(32)]  # warm drafts: the neighbour is tried
 
 
@@ -152,8 +157,12 @@ def test_scheduler_caps_k_by_load_and_outputs_stay_exact(llm, monkeypatch):  # n
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 16, 20, 48)]  # the last ends alone
     solo = [llm.engine.generate(p, q, llm.drafter("ngram"), spec_k(4)) for p, q in zip(prompts, params)]
     seen = _verify_rows(monkeypatch, llm)
+    loads: list[StepLoad] = []
+    real_k_for = KSchedule.k_for
+    monkeypatch.setattr(KSchedule, "k_for", lambda self, load, k_max: loads.append(load) or real_k_for(self, load, k_max))
     scheduler = Scheduler(llm, method="ngram", max_concurrency=4, k_by_load=KSchedule.parse("1:4,2-3:1,4-:0"))
     results = _run_concurrently(scheduler, prompts, params)
+    assert any(load.admitted > load.decoding for load in loads)  # prompts still prefilling are counted
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
     limit = {1: 5, 2: 2, 3: 2, 4: 1}  # rows per request: K + 1
     assert all(max(rows) <= limit[len(rows)] for rows in seen), seen
@@ -169,6 +178,7 @@ def test_auto_scheduler_learns_and_stays_exact(llm, monkeypatch):  # noqa: F811
     results = _run_concurrently(scheduler, prompts, params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in solo]
     assert auto.verify_s and auto.draft_step_s and 0 < auto.acceptance < 1
+    assert auto.catch_up_token_s is not None  # the prompts' catch-ups on the draft model, timed
 
 
 def test_auto_leaves_the_draft_model_idle_when_catching_up_does_not_pay(llm, monkeypatch):  # noqa: F811
@@ -188,7 +198,7 @@ def test_auto_leaves_the_draft_model_idle_when_catching_up_does_not_pay(llm, mon
     scheduler = Scheduler(llm, method="draft_model", max_concurrency=3, k_by_load=auto)
     results = _run_concurrently(scheduler, prompts, params)
     assert [out.token_ids for _, out in results] == [alone.token_ids for alone in plain]
-    assert calls == [] and scheduler.step_k == 0
+    assert calls == [] and scheduler.step_k is not None  # the gauge's source is set
 
 
 def test_the_k_by_load_gauge_shows_the_last_steps_cap():

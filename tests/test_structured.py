@@ -239,3 +239,20 @@ def test_bad_constraints_are_named_errors(llm):
         Constraint("xml", "<a/>")
     with pytest.raises(InvalidSamplingParamsError):
         Constraint("regex")
+
+
+def test_forced_tokens_ride_along_under_a_servers_k_cap(llm):
+    """A server's K by load caps what the drafter proposes, not the tokens the grammar forces:
+    those are kept for sure and cost no draft forward, so even at K = 0 they are verified as
+    drafts, and the output is plain constrained decoding's."""
+    from specdecode.server.k_by_load import KSchedule
+    from specdecode.server.scheduler import Scheduler
+    from tests.test_scheduler import _run_concurrently
+
+    params = _greedy(CONSTRAINTS["schema"], 80)
+    prompt = llm.tokenizer.encode("hi")
+    plain = llm.engine.generate(prompt, params, None, spec_k(4))
+    [(_, out)] = _run_concurrently(Scheduler(llm, method="ngram", max_concurrency=1,
+                                             k_by_load=KSchedule.parse("1-:0")), [prompt], [params])
+    assert out.token_ids == plain.token_ids and out.text.startswith('{"name": "')
+    assert out.stats.target_steps < len(out.token_ids) - 8 and out.stats.drafts == 0

@@ -177,5 +177,9 @@ class Drafter(ABC):
         of steps without drafts. A server under load weighs this before asking for drafts."""
         return 0
 
+    def pop_catch_up(self) -> tuple[int, float] | None:
+        """The last catch-up this drafter ran since asked: (tokens, seconds), or None."""
+        return None
+
     def finish(self, seq: SequenceState) -> None:
         """The request ended (drafters that learn from whole requests)."""

@@ -32,6 +32,12 @@ class CombinedDrafter(Drafter):
         proposal = self.ngram.propose(seq, k)
         return proposal if proposal.k else self.draft.propose(seq, k)
 
+    def catch_up(self, seq: SequenceState) -> int:
+        return self.draft.catch_up(seq)
+
+    def pop_catch_up(self) -> tuple[int, float] | None:
+        return self.draft.pop_catch_up()
+
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         # The draft model rolls back only what it drafted itself this step (possibly nothing).
         self.draft.accept(seq, n_accepted)

@@ -19,6 +19,7 @@ read once per draft step rather than once per request.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class DraftModelDrafter(Drafter):
         self.confidence = confidence
         self.cache = draft.new_cache(capacity)
         self._cached = 0  # committed tokens held in the draft cache
+        self._caught_up: tuple[int, float] | None = None  # the last catch-up forward: (tokens, seconds)
 
     def begin(self, seq: SequenceState) -> None:
         self.cache.reset()
@@ -68,7 +70,7 @@ class DraftModelDrafter(Drafter):
         run = self._run(seq, k, argmax)
         if run.k <= 0:
             return EMPTY_PROPOSAL
-        logits = self.model.forward(run.take_pending(), self.cache, last_only=True)
+        logits = self._feed(run.take_pending())
         while True:
             if on_step is not None:
                 on_step(logits)
@@ -80,9 +82,24 @@ class DraftModelDrafter(Drafter):
         """This step's drafting state for ``seq``, ``k`` cut to what the draft cache still holds."""
         return _DraftRun(self, seq, min(k, self.cache.capacity - len(seq.token_ids)), argmax)
 
+    def _feed(self, pending: Tensor) -> Tensor:
+        """Run the committed tokens the cache lacks; the last row's logits [1, V]. A catch-up
+        (more than ``BATCHED_CATCH_UP`` tokens) is timed for ``pop_catch_up``."""
+        t0 = time.perf_counter()
+        logits = self.model.forward(pending, self.cache, last_only=True)
+        if pending.shape[0] > BATCHED_CATCH_UP:
+            self._caught_up = (int(pending.shape[0]), time.perf_counter() - t0)
+        return logits
+
     def catch_up(self, seq: SequenceState) -> int:
+        # Up to BATCHED_CATCH_UP tokens ride a step's first draft forward, shared in a batch;
+        # more take a forward of their own, a cost worth weighing.
         pending = len(seq.token_ids) - self._cached
         return pending if pending > BATCHED_CATCH_UP else 0
+
+    def pop_catch_up(self) -> tuple[int, float] | None:
+        timed, self._caught_up = self._caught_up, None
+        return timed
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         # The cache holds committed tokens plus drafts 1..K-1; keep the accepted drafts only.
@@ -183,7 +200,7 @@ def _catch_up(model: Decoder, runs: list[_DraftRun]) -> list[Tensor]:
     for j, rows in zip(shared, _forward(model, [pending[j] for j in shared], last_only=True)):
         logits[j] = rows
     for j in alone:
-        logits[j] = model.forward(*pending[j], last_only=True)
+        logits[j] = runs[j].drafter._feed(pending[j][0])
     return logits
 
 

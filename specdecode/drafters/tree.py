@@ -95,6 +95,12 @@ class TreeDrafter(Drafter):
             trie.insert(copy, self.max_nodes)
         return trie.proposal()
 
+    def catch_up(self, seq: SequenceState) -> int:
+        return self.draft.catch_up(seq)
+
+    def pop_catch_up(self) -> tuple[int, float] | None:
+        return self.draft.pop_catch_up()
+
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         # The draft model cached its own chain; keep the part of it that was committed.
         committed = seq.token_ids[self._committed : self._committed + n_accepted]

@@ -137,12 +137,13 @@ class Generation:
         plain decoding; ``k_cap`` (set by a server under load) lowers K for this step only. A step
         whose drafts the grammar forces needs none from the drafter.
         """
-        budget = self._budget()
-        return 0 if self._forced(budget).k else budget
+        return 0 if self._forced(self._budget(capped=False)).k else self._budget()
 
-    def _budget(self) -> int:
+    def _budget(self, capped: bool = True) -> int:
+        """``capped=False``: without ``k_cap``, for the grammar's forced drafts, which are kept for
+        sure and cost no draft forward, so they pay at any load."""
         seq, params = self.seq, self.seq.params
-        k = self.draft_length.k if self.k_cap is None else min(self.draft_length.k, self.k_cap)
+        k = self.draft_length.k if self.k_cap is None or not capped else min(self.draft_length.k, self.k_cap)
         return max(0, min(k, params.max_tokens - seq.num_generated - 1, self.max_seq_len - len(seq.token_ids) - 1))
 
     def _forced(self, budget: int) -> DraftProposal:
@@ -165,7 +166,7 @@ class Generation:
             return None
         t0 = time.perf_counter()
         budget = self._budget()
-        forced = self._forced(budget)
+        forced = self._forced(self._budget(capped=False))
         self.forced_step = bool(forced.k)
         if forced.k:  # the grammar's own drafts: the drafter sits this step out
             proposal = forced

@@ -21,11 +21,13 @@ for eight, the most common complaint about speculative serving. Two policies:
   either side.
 
 Drafting again after steps without drafts (or for a request that never drafted) first feeds the
-draft model every token it missed: a prompt's prefill on the draft. AutoK charges that once
-against the tokens the requests may still make (``max_tokens`` left, at most ``HORIZON``), so a
-cheap-looking K that needs a catch-up is taken only when the requests live long enough to repay
-it, and exploration never pays one. Where speculation cannot pay, auto stays at K = 0 and the
-draft model does no work at all: the server runs as plain decoding does.
+draft model every token it missed: a prompt's prefill on the draft. The draft model times those
+forwards (``Drafter.pop_catch_up``); AutoK charges a catch-up once against the tokens the
+requests may still make (``max_tokens`` left, at most ``HORIZON``), so a cheap-looking K that
+needs one is taken only when the requests live long enough to repay it, and exploration never
+pays one. Where speculation cannot pay, auto stays at K = 0 and the draft model does no work at
+all: the server runs as plain decoding does. (Drafters that keep no model of their own catch up
+nothing; a draft model of another vocabulary is not charged yet.)
 
 K is only ever a cap on each request's own draft length (which still adapts to that request's
 acceptance). Greedy output never depends on it; sampled output keeps exactly the target's
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdecode.config import MAX_SPECULATIVE_TOKENS
@@ -56,11 +59,13 @@ class StepLoad:
     still prefilling, the running count a table reads. ``catch_up``: tokens the requests' drafters
     must feed before they can draft (``Drafter.catch_up``). ``remaining``: tokens each decoding
     request may still make, on average (``max_tokens`` left, at most ``HORIZON``).
+    ``catching_up``: how many requests' drafters that ``catch_up`` is spread over.
     """
 
     decoding: int
     admitted: int = 0
     catch_up: int = 0
+    catching_up: int = 0
     remaining: float = HORIZON
 
     @property
@@ -110,7 +115,7 @@ class KSchedule:
         return next((min(r.k, k_max) for r in self.ranges if r.holds(load.running)), k_max)
 
     def record_step(self, rows: int, forward_s: float, draft_steps: int = 0, draft_s: float = 0.0,
-                    drafting: int = 0, caught_up: int = 0) -> None:
+                    drafting: int = 0, catch_ups: Sequence[tuple[int, float]] = ()) -> None:
         """A fixed table learns nothing."""
 
     def record_drafts(self, accepted: int, rejected: int) -> None:
@@ -133,7 +138,7 @@ class AutoK:
     tried: float | None = None  # running mean of drafts decided per request-step (kept + refused)
     draft_step_s: dict[int, float] = field(default_factory=dict)  # one draft forward, by requests in it
     verify_s: dict[int, float] = field(default_factory=dict)  # forward time by rows
-    catch_up_token_s: float | None = None  # draft time per caught-up token
+    catch_up_token_s: float | None = None  # a catch-up forward's time per token, beyond one draft step
     steps: int = 0
 
     @property
@@ -159,37 +164,43 @@ class AutoK:
         return options[best]
 
     def _rate(self, load: StepLoad, k: int, acceptance: float) -> float:
-        """Expected tokens per second of ``load``'s requests drafting ``k`` each."""
+        """Expected tokens per second of ``load``'s requests drafting ``k`` each, a catch-up
+        spread over the steps they have left."""
         n = load.decoding
         per_request = sum(acceptance**i for i in range(k + 1))
-        step_s = max(k * self.draft_time(n) + self.verify_time(n * (k + 1)), 1e-9)
-        if not k or not load.catch_up:
-            return n * per_request / step_s
-        steps = max(load.remaining / per_request, 1.0)
-        return n * per_request * steps / (steps * step_s + load.catch_up * (self.catch_up_token_s or 0.0))
+        step_s = k * self.draft_time(n) + self.verify_time(n * (k + 1))
+        if k and load.catch_up:
+            steps = max(load.remaining / per_request, 1.0)
+            step_s += self.catch_up_time(load) / steps
+        return n * per_request / max(step_s, 1e-9)
+
+    def catch_up_time(self, load: StepLoad) -> float:
+        """``load``'s catch-up: a forward of its own per request (about one draft step) plus the
+        time per token; a cost not measured yet counts as none, so the first one is paid and timed."""
+        return load.catching_up * self.draft_time(1) + load.catch_up * (self.catch_up_token_s or 0.0)
 
     def verify_time(self, rows: int) -> float:
         """Interpolated between the two measured row counts around ``rows``; outside them, in
         proportion to rows from the nearest (optimistic below the least: see the module docstring)."""
-        return _estimate(self.verify_s, rows)
+        return _estimate(self.verify_s, rows, proportional=True)
 
     def draft_time(self, requests: int) -> float:
-        """One draft forward for ``requests`` drafting together, estimated as ``verify_time`` is."""
-        return _estimate(self.draft_step_s, requests) if self.draft_step_s else 0.0
+        """One draft forward for ``requests`` drafting together: interpolated, and outside the
+        measured counts the nearest one's time (a small draft's forward reads its weights once,
+        whatever the few rows)."""
+        return _estimate(self.draft_step_s, requests, proportional=False) if self.draft_step_s else 0.0
 
     def record_step(self, rows: int, forward_s: float, draft_steps: int = 0, draft_s: float = 0.0,
-                    drafting: int = 0, caught_up: int = 0) -> None:
+                    drafting: int = 0, catch_ups: Sequence[tuple[int, float]] = ()) -> None:
         """One step: its verify forward (``rows`` rows), and ``drafting`` requests' drafting,
-        ``draft_steps`` forwards deep, in ``draft_s``, which fed ``caught_up`` tokens first. A
-        catch-up's time is what the step's drafting took beyond its draft forwards' estimate."""
+        ``draft_steps`` forwards deep, in ``draft_s``, with the catch-up forwards it ran first,
+        each (tokens, seconds) as the draft model timed it. A catch-up's forward also yields its
+        request's first draft, so one draft step's time comes off before dividing by tokens."""
         self.verify_s[rows] = _ema(self.verify_s.get(rows), forward_s)
-        if not (draft_steps and drafting):
-            return
-        if not caught_up:
+        for tokens, seconds in catch_ups:
+            self.catch_up_token_s = _ema(self.catch_up_token_s, max(seconds - self.draft_time(1), 0.0) / tokens)
+        if draft_steps and drafting and not catch_ups:  # a step with a catch-up in it says little of a draft step
             self.draft_step_s[drafting] = _ema(self.draft_step_s.get(drafting), draft_s / draft_steps)
-        elif self.draft_step_s:
-            extra = max(draft_s - draft_steps * self.draft_time(drafting), 0.0)
-            self.catch_up_token_s = _ema(self.catch_up_token_s, extra / caught_up)
 
     def record_drafts(self, accepted: int, rejected: int) -> None:
         """One request's step: ``accepted`` drafts kept, ``rejected`` (0 or 1) refused; the first
@@ -199,16 +210,16 @@ class AutoK:
             self.tried = _ema(self.tried, accepted + rejected, ACCEPTANCE_EMA)
 
 
-def _estimate(measured: dict[int, float], x: int) -> float:
+def _estimate(measured: dict[int, float], x: int, proportional: bool) -> float:
     """``measured`` (by count) at ``x``: interpolated between the two counts around it; outside
-    them, in proportion to the count from the nearest."""
+    them, the nearest count's value, scaled in proportion to the count if ``proportional``."""
     known = sorted(measured)
     i = bisect.bisect_left(known, x)
     if i < len(known) and known[i] == x:
         return measured[x]
     if i in (0, len(known)):
         edge = known[0] if i == 0 else known[-1]
-        return measured[edge] * x / edge
+        return measured[edge] * x / edge if proportional else measured[edge]
     lo, hi = known[i - 1], known[i]
     return measured[lo] + (measured[hi] - measured[lo]) * (x - lo) / (hi - lo)
 

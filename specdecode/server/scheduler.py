@@ -106,7 +106,7 @@ class Scheduler(JobQueue):
     """A bounded queue in front of the engine.
 
     ``max_concurrency``: requests generating at once; ``max_queue``: requests allowed to wait
-    beyond those; ``k_by_load``: a cap on K for each step from the number of requests in it.
+    beyond those; ``k_by_load``: a cap on K for each step from the load (``k_by_load.py``).
     ``running`` and ``waiting`` feed the server's gauges.
     """
 
@@ -118,7 +118,7 @@ class Scheduler(JobQueue):
         self.k = k or llm.spec.num_speculative_tokens
         self.spec = dataclasses.replace(llm.spec, method=method or llm.spec.method, num_speculative_tokens=self.k)
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
-        self.k_by_load = k_by_load  # K per step from the number of running requests (k_by_load.py)
+        self.k_by_load = k_by_load  # K per step from the load (k_by_load.py)
         self._queue: collections.deque[Job] = collections.deque()
         self._lock = threading.Condition()
         self._running: set[Job] = set()
@@ -247,13 +247,9 @@ class Scheduler(JobQueue):
         """Draft for every active request, verify all drafts in one target forward, commit.
         ``prefilling``: admitted requests whose prompts are still running (the load K reads)."""
         t_draft = time.perf_counter()
-        drafting = caught_up = 0
-        if self.k_by_load is not None:  # K for this step, from how many requests share it
-            cap = self.step_k = self.k_by_load.k_for(_step_load(active, prefilling), self.k)
-            for _, gen in active:
-                gen.k_cap = cap
-            feeding = [gen for _, gen in active if gen.drafter is not None and gen.draft_budget() > 0]
-            drafting, caught_up = len(feeding), sum(gen.drafter.catch_up(gen.seq) for gen in feeding)
+        feeding: list[Generation] = []  # the requests that draft this step
+        if self.k_by_load is not None and active:
+            feeding = self._cap_k(active, prefilling)
         active, proposals = self._draft_shared(active)
         batch: list[tuple[Job, Generation, object]] = []
         for job, gen in active:
@@ -283,7 +279,7 @@ class Scheduler(JobQueue):
                 self._release(job)
             return []
         forward_s = time.perf_counter() - t0
-        self._record_load(batch, forward_s, draft_s, drafting, caught_up)
+        self._record_load(batch, forward_s, draft_s, feeding)
         still: list[tuple[Job, Generation]] = []
         for (job, gen, _), rows in zip(batch, logits):
             try:
@@ -299,13 +295,26 @@ class Scheduler(JobQueue):
             self._release(job)
         return still
 
+    def _cap_k(self, active: list[tuple[Job, Generation]], prefilling: int) -> list[Generation]:
+        """Set this step's K cap from the load (``k_by_load``); return the requests that will draft."""
+        live = [gen for job, gen in active if not job.cancelled.is_set()]
+        for gen in live:
+            gen.k_cap = None  # the load is read uncapped: what each request could draft
+        cap = self.step_k = self.k_by_load.k_for(_step_load(live, prefilling), self.k)
+        for gen in live:
+            gen.k_cap = cap
+        return [gen for gen in live if gen.drafter is not None and gen.draft_budget() > 0]
+
     def _record_load(self, batch: list[tuple[Job, Generation, Any]], forward_s: float, draft_s: float,
-                     drafting: int, caught_up: int) -> None:
-        """Tell the K-by-load policy what this step's verify and drafting cost: ``drafting``
-        requests drafted, first feeding their draft models ``caught_up`` tokens."""
-        if self.k_by_load is not None:
-            self.k_by_load.record_step(sum(int(inputs.shape[0]) for _, _, inputs in batch), forward_s,
-                                       max(gen.proposal.depth for _, gen, _ in batch), draft_s, drafting, caught_up)
+                     feeding: list[Generation]) -> None:
+        """Tell the K-by-load policy what this step's verify and drafting cost, with the catch-up
+        forwards its drafters ran (as they timed them)."""
+        if self.k_by_load is None:
+            return
+        catch_ups = [timed for gen in feeding if (timed := gen.drafter.pop_catch_up()) is not None]
+        draft_steps = max((gen.proposal.depth for _, gen, _ in batch if not gen.forced_step), default=0)
+        self.k_by_load.record_step(sum(int(inputs.shape[0]) for _, _, inputs in batch), forward_s, draft_steps,
+                                   draft_s, len(feeding), catch_ups)
 
     def _record_acceptance(self, gen: Generation, accepted: int) -> None:
         """Tell the policy how one request's drafts fared (a refused draft ends its step)."""
@@ -351,12 +360,14 @@ class Scheduler(JobQueue):
         job._emit(_DONE)
 
 
-def _step_load(active: list[tuple[Job, Generation]], prefilling: int) -> StepLoad:
-    """The load a step's K is chosen for: see ``StepLoad``."""
-    gens = [gen for _, gen in active]
-    catch_up = sum(gen.drafter.catch_up(gen.seq) for gen in gens if gen.drafter is not None)
+def _step_load(gens: list[Generation], prefilling: int) -> StepLoad:
+    """The load a step's K is chosen for (see ``StepLoad``): the catch-up of the requests that
+    would draft."""
+    behind = [n for gen in gens if gen.drafter is not None and gen.draft_budget() > 0
+              and (n := gen.drafter.catch_up(gen.seq))]
     left = [min(gen.seq.params.max_tokens - gen.seq.num_generated, HORIZON) for gen in gens]
-    return StepLoad(len(gens), len(gens) + prefilling, catch_up, sum(left) / len(left) if left else HORIZON)
+    return StepLoad(len(gens), len(gens) + prefilling, sum(behind), len(behind),
+                    sum(left) / len(left) if left else HORIZON)
 
 
 class _Cancelled(Exception):
