@@ -76,11 +76,12 @@ def test_auto_tries_the_unmeasured_neighbour_of_its_choice():
 def test_auto_settles_on_measured_costs_from_the_servers_k():
     """This machine's costs (AMD EPYC, 2 cores, the default pair: verify 41 ms for 1 row, +15 ms
     per row; a draft step 13 ms alone, 63 ms for eight): starting at K=12, measuring what it
-    picks, auto settles on a short K for one request and on none for eight."""
+    picks, auto settles on none for eight requests, and for one too, where the best K (1 or 2)
+    promises about 1.07x plain steps, short of MIN_GAIN (the server measured 0.93x there)."""
     def cost(rows: int) -> float:
         return 0.041 + 0.0148 * (rows - 1)
 
-    for running, draft_step, want in ((1, 0.013, (1, 2, 3)), (8, 0.063, (0,))):
+    for running, draft_step, want in ((1, 0.013, (0,)), (8, 0.063, (0,))):
         auto = AutoK()
         auto.record_step(running * 13, cost(running * 13), 12, 12 * draft_step, drafting=running)
         for accepted in _steps_at(0.8, k=12, n=400):
@@ -92,6 +93,14 @@ def test_auto_settles_on_measured_costs_from_the_servers_k():
             picks.append(k)
         assert set(picks[-50:]) <= set(want) | {k for k in picks[-50:] if picks[-50:].count(k) <= 4}, picks
         assert max(set(picks[-50:]), key=picks[-50:].count) in want, picks
+
+
+def test_auto_drafts_only_for_a_clear_gain():
+    auto = _measured({1: 0.05, 2: 0.05}, draft_step_s=0.01, acceptance=0.8)
+    assert auto.k_for(StepLoad(1), 1) == 1  # 1.8 tokens in 60 ms against 1 in 50: 1.5x
+    auto = _measured({1: 0.05, 2: 0.075}, draft_step_s=0.01, acceptance=0.8)
+    assert auto._rate(StepLoad(1), 1, auto.acceptance) > auto._rate(StepLoad(1), 0, auto.acceptance)
+    assert auto.k_for(StepLoad(1), 1) == 0  # 1.8 tokens in 85 ms: 1.05x, within what the model leaves out
 
 
 def test_auto_starts_at_the_servers_k_and_interpolates():

@@ -13,8 +13,8 @@ for eight, the most common complaint about speculative serving. Two policies:
 - ``AutoK``: picks, before every step, the K that maximizes the expected tokens per second of the
   step's requests, from what the server has measured: the verify forward's time by number of
   rows, a draft step's time by number of requests drafting, the acceptance rate of drafts, and
-  the draft model's time per token when it catches up. With nothing measured yet it keeps the
-  server's K. Row counts it has not measured are estimated optimistically (in proportion to rows
+  the draft model's time per token when it catches up. It drafts only if that promises
+  ``MIN_GAIN`` times plain steps' rate. With nothing measured yet it keeps the server's K. Row counts it has not measured are estimated optimistically (in proportion to rows
   below the least measured), so it moves toward fewer rows and measures them; and every
   ``EXPLORE_EVERY`` steps it tries the K next to its choice if that K's rows are not measured,
   a step that costs about what the chosen one does, so the choice settles on measured costs from
@@ -49,6 +49,10 @@ EMA = 0.2  # weight of a new step's times in the running estimates
 ACCEPTANCE_EMA = 0.02  # weight of one request-step's drafts (many per step, each a noisy 0..K count)
 EXPLORE_EVERY = 16  # steps between tries of a neighbouring K whose rows are not measured yet
 HORIZON = 256  # most tokens a request is counted on to make: max_tokens bounds it, EOS often comes sooner
+# Drafting must promise this much more than plain steps: the cost model leaves out what a step
+# spends beyond its forwards (sampling, bookkeeping, a draft's first forward over two tokens),
+# and a speculating server must not serve slower than plain decoding.
+MIN_GAIN = 1.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +160,8 @@ class AutoK:
         options = [c for c in self.candidates if c <= k_max]
         rates = [self._rate(load, k, acceptance) for k in options]
         best = max(range(len(options)), key=lambda i: (rates[i], -i))  # ties: the smaller K
+        if rates[best] < MIN_GAIN * rates[0]:  # options[0] is K = 0
+            best = 0
         if self.steps % EXPLORE_EVERY == 0:
             for i in (best - 1, best + 1):
                 if (0 <= i < len(options) and load.decoding * (options[i] + 1) not in self.verify_s
