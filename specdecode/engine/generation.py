@@ -130,14 +130,15 @@ class Generation:
             self.logprobs += logprobs
         return StreamEvent(self.stops.take_text(), new, logprobs=logprobs)
 
-    def draft_budget(self) -> int:
+    def draft_budget(self, capped: bool = True) -> int:
         """How many drafts the drafter may propose this step (0: none, the step is plain).
 
         Drafts plus the one token every step adds must fit ``max_tokens`` and the context, as in
         plain decoding; ``k_cap`` (set by a server under load) lowers K for this step only. A step
-        whose drafts the grammar forces needs none from the drafter.
+        whose drafts the grammar forces needs none from the drafter. ``capped=False``: what it
+        could propose without ``k_cap`` (a server reads that to choose the cap).
         """
-        return 0 if self._forced(self._budget(capped=False)).k else self._budget()
+        return 0 if self._forced(self._budget(capped=False)).k else self._budget(capped)
 
     def _budget(self, capped: bool = True) -> int:
         """``capped=False``: without ``k_cap``, for the grammar's forced drafts, which are kept for

@@ -61,9 +61,9 @@ class StepLoad:
 
     ``decoding``: requests in this step's verify forward. ``admitted``: those plus the prompts
     still prefilling, the running count a table reads. ``catch_up``: tokens the requests' drafters
-    must feed before they can draft (``Drafter.catch_up``). ``remaining``: tokens each decoding
-    request may still make, on average (``max_tokens`` left, at most ``HORIZON``).
-    ``catching_up``: how many requests' drafters that ``catch_up`` is spread over.
+    must feed before they can draft (``Drafter.catch_up``), spread over ``catching_up`` requests.
+    ``remaining``: tokens each decoding request may still make, on average (``max_tokens`` left,
+    at most ``HORIZON``).
     """
 
     decoding: int

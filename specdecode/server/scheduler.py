@@ -298,8 +298,6 @@ class Scheduler(JobQueue):
     def _cap_k(self, active: list[tuple[Job, Generation]], prefilling: int) -> list[Generation]:
         """Set this step's K cap from the load (``k_by_load``); return the requests that will draft."""
         live = [gen for job, gen in active if not job.cancelled.is_set()]
-        for gen in live:
-            gen.k_cap = None  # the load is read uncapped: what each request could draft
         cap = self.step_k = self.k_by_load.k_for(_step_load(live, prefilling), self.k)
         for gen in live:
             gen.k_cap = cap
@@ -363,7 +361,7 @@ class Scheduler(JobQueue):
 def _step_load(gens: list[Generation], prefilling: int) -> StepLoad:
     """The load a step's K is chosen for (see ``StepLoad``): the catch-up of the requests that
     would draft."""
-    behind = [n for gen in gens if gen.drafter is not None and gen.draft_budget() > 0
+    behind = [n for gen in gens if gen.drafter is not None and gen.draft_budget(capped=False) > 0
               and (n := gen.drafter.catch_up(gen.seq))]
     left = [min(gen.seq.params.max_tokens - gen.seq.num_generated, HORIZON) for gen in gens]
     return StepLoad(len(gens), len(gens) + prefilling, sum(behind), len(behind),
