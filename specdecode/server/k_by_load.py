@@ -14,8 +14,9 @@ for eight, the most common complaint about speculative serving. Two policies:
   step's requests, from what the server has measured: the verify forward's time by number of
   rows, a draft step's time by number of requests drafting, the acceptance rate of drafts, and
   the draft model's time per token when it catches up. It drafts only if that promises
-  ``MIN_GAIN`` times plain steps' rate. With nothing measured yet it keeps the server's K. Row counts it has not measured are estimated optimistically (in proportion to rows
-  below the least measured), so it moves toward fewer rows and measures them; and every
+  ``MIN_GAIN`` times plain steps' rate. With nothing measured yet it keeps the server's K. Row
+  counts it has not measured are estimated optimistically (in proportion to rows below the
+  least measured), so it moves toward fewer rows and measures them; and every
   ``EXPLORE_EVERY`` steps it tries the K next to its choice if that K's rows are not measured,
   a step that costs about what the chosen one does, so the choice settles on measured costs from
   either side.
