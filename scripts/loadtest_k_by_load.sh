@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The load test of docs/SERVING.md ("Load test"): plain decoding, the draft model at the server's K,
+# a fixed K-by-load table and `--k-by-load auto`, one server at a time on the default pair, each
+# measured by the same load test. Writes bench-results/loadtest/<name>.json and prints a summary.
+# Keep the machine quiet while it runs (about 16 minutes on 2 cores).
+#
+#   scripts/loadtest_k_by_load.sh [PORT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PORT=${1:-8011}
+BIN=.venv/bin
+OUT=bench-results/loadtest
+mkdir -p "$OUT"
+
+run() {  # name, then the serve flags
+    local name=$1
+    shift
+    "$BIN/specdecode" serve --port "$PORT" --max-concurrency 8 --log-level warning "$@" &
+    local pid=$!
+    trap 'kill $pid 2>/dev/null || true' EXIT
+    for _ in $(seq 600); do
+        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+        kill -0 $pid 2>/dev/null || { echo "server $name exited" >&2; exit 1; }
+        sleep 1
+    done
+    "$BIN/python" -m specdecode.server.loadtest --url "http://127.0.0.1:$PORT" --concurrency 1,2,4,8 \
+        --requests 16 --max-tokens 64 --ignore-eos --workload code,chat --json > "$OUT/$name.json"
+    kill $pid
+    wait $pid 2>/dev/null || true
+    trap - EXIT
+    echo "$name done"
+}
+
+run none --method none
+run draft_model --method draft_model
+run table --method draft_model --k-by-load 1-2:12,3-4:6,5-:0
+run auto --method draft_model --k-by-load auto
+"$BIN/python" - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+plain = {lvl["concurrency"]: lvl for lvl in json.loads((out / "none.json").read_text())["levels"]}
+for name in ("none", "draft_model", "table", "auto"):
+    for lvl in json.loads((out / f"{name}.json").read_text())["levels"]:
+        base = plain[lvl["concurrency"]]["output_tokens_per_s"]
+        print(f"{name:12s} {lvl['concurrency']:2d} clients  {lvl['output_tokens_per_s']:6.1f} tok/s  "
+              f"{lvl['output_tokens_per_s'] / base:5.2f}x  p50 {lvl['latency_p50_s']:6.2f} s  "
+              f"p99 {lvl['latency_p99_s']:6.2f} s  TTFT p50 {lvl['ttft_p50_s']:5.2f} s  "
+              f"acceptance length {lvl['mean_acceptance_length']:.2f}")
+EOF
