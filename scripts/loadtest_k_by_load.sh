@@ -2,12 +2,13 @@
 # The load test of docs/SERVING.md ("Load test"): plain decoding, the draft model at the server's K,
 # a fixed K-by-load table and `--k-by-load auto`, one server at a time on the default pair, each
 # measured by the same load test. Writes bench-results/loadtest/<name>.json and prints a summary.
-# Keep the machine quiet while it runs (about 16 minutes on 2 cores).
+# Keep the machine quiet while it runs (about 4 minutes a server on 2 cores).
 #
-#   scripts/loadtest_k_by_load.sh [PORT]
+#   scripts/loadtest_k_by_load.sh [SERVER ...]   # none, draft_model, table, auto (default: all four, in that order)
+#   PORT=8011 (default) picks the port.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PORT=${1:-8011}
+PORT=${PORT:-8011}
 BIN=.venv/bin
 OUT=bench-results/loadtest
 mkdir -p "$OUT"
@@ -31,15 +32,22 @@ run() {  # name, then the serve flags
     echo "$name done"
 }
 
-run none --method none
-run draft_model --method draft_model
-run table --method draft_model --k-by-load 1-2:12,3-4:6,5-:0
-run auto --method draft_model --k-by-load auto
-"$BIN/python" - "$OUT" <<'EOF'
+SERVERS=("$@")
+[ ${#SERVERS[@]} -gt 0 ] || SERVERS=(none draft_model table auto)
+for name in "${SERVERS[@]}"; do
+    case $name in
+        none) run none --method none ;;
+        draft_model) run draft_model --method draft_model ;;
+        table) run table --method draft_model --k-by-load 1-2:12,3-4:6,5-:0 ;;
+        auto) run auto --method draft_model --k-by-load auto ;;
+        *) echo "unknown server $name (none, draft_model, table, auto)" >&2; exit 2 ;;
+    esac
+done
+"$BIN/python" - "$OUT" "${SERVERS[@]}" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 plain = {lvl["concurrency"]: lvl for lvl in json.loads((out / "none.json").read_text())["levels"]}
-for name in ("none", "draft_model", "table", "auto"):
+for name in dict.fromkeys(sys.argv[2:]):
     for lvl in json.loads((out / f"{name}.json").read_text())["levels"]:
         base = plain[lvl["concurrency"]]["output_tokens_per_s"]
         print(f"{name:12s} {lvl['concurrency']:2d} clients  {lvl['output_tokens_per_s']:6.1f} tok/s  "
