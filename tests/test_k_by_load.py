@@ -7,7 +7,16 @@ import pytest
 
 from specdecode.config import SamplingParams
 from specdecode.errors import InvalidConfigError
-from specdecode.server.k_by_load import AutoK, KSchedule, StepLoad, parse_k_by_load
+from specdecode.server.k_by_load import (
+    PROBE_AFTER,
+    PROBE_K,
+    PROBE_SAMPLES,
+    PROBE_STEPS,
+    AutoK,
+    KSchedule,
+    StepLoad,
+    parse_k_by_load,
+)
 from specdecode.server.scheduler import Scheduler
 from tests.conftest import spec_k
 from tests.test_scheduler import _prompts, _run_concurrently, llm  # noqa: F401 - the module's fixture
@@ -145,6 +154,52 @@ def test_auto_never_explores_into_a_catch_up():
     auto.catch_up_token_s = 0.0  # even a catch-up thought free
     assert [auto.k_for(StepLoad(8, catch_up=800, catching_up=8), 12) for _ in range(64)] == [0] * 64
     assert 1 in [auto.k_for(StepLoad(8), 12) for _ in range(32)]  # warm drafts: the neighbour is tried
+
+
+def _stale_at_zero() -> AutoK:
+    """Drafts would pay (flat verify) but a bad stretch left the acceptance near 0: auto is at K=0."""
+    auto = _measured({1: 0.05, 2: 0.051, 3: 0.051, 4: 0.052, 8: 0.055, 13: 0.06}, draft_step_s=0.004, acceptance=0.01)
+    assert auto.k_for(StepLoad(1), 12) == 0
+    return auto
+
+
+def test_auto_probes_a_stale_acceptance_and_drafts_again():
+    auto = _stale_at_zero()
+    assert [auto.k_for(StepLoad(1), 12) for _ in range(PROBE_AFTER - 1)] == [0] * (PROBE_AFTER - 1)  # PROBE_AFTER with the first
+    assert auto.k_for(StepLoad(1), 12) == PROBE_K  # the probe: nothing else would ever measure drafts again
+    for accepted in _steps_at(0.8, k=PROBE_K, n=PROBE_SAMPLES):
+        assert auto.k_for(StepLoad(1), 12) == PROBE_K
+        auto.record_drafts(accepted, int(accepted < PROBE_K))
+    assert auto.probe is None and auto.acceptance == pytest.approx(0.8, abs=0.15)
+    assert auto.k_for(StepLoad(1), 12) >= 4  # the drafter is good again: long drafts are back
+
+
+def test_auto_probes_ever_less_often_where_drafts_stay_bad():
+    auto = _stale_at_zero()
+    idle = []  # steps at K=0 before each probe
+    for _ in range(3):
+        picks = [auto.k_for(StepLoad(1), 12)]
+        while picks[-1] == 0:
+            picks.append(auto.k_for(StepLoad(1), 12))
+        assert picks[-1] == PROBE_K
+        idle.append(len(picks) - 1)
+        for accepted in _steps_at(0.01, k=PROBE_K, n=PROBE_SAMPLES):
+            auto.record_drafts(accepted, int(accepted < PROBE_K))
+    assert idle[1:] == [2 * PROBE_AFTER, 4 * PROBE_AFTER]  # still bad after each: the wait doubles
+
+
+def test_auto_does_not_probe_where_even_perfect_drafts_would_not_pay():
+    auto = _measured({r: 0.05 * r for r in range(1, 14)}, draft_step_s=0.01, acceptance=0.9)  # rows cost all
+    assert set(auto.k_for(StepLoad(1), 12) for _ in range(4 * PROBE_AFTER)) == {0}
+    assert auto.probe is None
+
+
+def test_a_probe_that_sees_no_drafts_ends_and_keeps_the_estimate():
+    auto = _stale_at_zero()
+    before = auto.acceptance
+    picks = [auto.k_for(StepLoad(1), 12) for _ in range(PROBE_AFTER + PROBE_STEPS + 4)]
+    assert picks.count(PROBE_K) == PROBE_STEPS + 1 and picks[-1] == 0
+    assert auto.probe is None and auto.acceptance == before
 
 
 def _verify_rows(monkeypatch, llm) -> list[list[int]]:  # noqa: F811

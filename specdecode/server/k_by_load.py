@@ -27,7 +27,9 @@ forwards (``Drafter.pop_catch_up``); AutoK charges a catch-up once against the t
 requests may still make (``max_tokens`` left, at most ``HORIZON``), so a cheap-looking K that
 needs one is taken only when the requests live long enough to repay it, and exploration never
 pays one. Where speculation cannot pay, auto stays at K = 0 and the draft model does no work at
-all: the server runs as plain decoding does. (Drafters that keep no model of their own catch up
+all: the server runs as plain decoding does, but for short probes that re-measure the acceptance,
+ever rarer while drafting stays off (``PROBE_AFTER``), and only where drafts would pay if the
+draft model guessed well. (Drafters that keep no model of their own catch up
 nothing; a draft model of another vocabulary is not charged yet.)
 
 K is only ever a cap on each request's own draft length (which still adapts to that request's
@@ -54,6 +56,18 @@ HORIZON = 256  # most tokens a request is counted on to make: max_tokens bounds 
 # spends beyond its forwards (sampling, bookkeeping, a draft's first forward over two tokens),
 # and a speculating server must not serve slower than plain decoding.
 MIN_GAIN = 1.1
+# At K = 0 nothing measures acceptance, so one bad stretch (a burst of prompts the draft model
+# guesses badly) would keep auto at 0 for good. After PROBE_AFTER steps at 0, if drafts would pay
+# at an acceptance near 1, it drafts PROBE_K for PROBE_SAMPLES request-steps (at most
+# PROBE_STEPS steps) and takes their acceptance as its new estimate; each probe that does not
+# bring drafting back doubles the wait, up to PROBE_AFTER_MAX, so on a machine where drafting
+# does not pay the probes cost ever less.
+PROBE_AFTER = 256
+PROBE_AFTER_MAX = 16384
+PROBE_K = 2
+PROBE_SAMPLES = 32
+PROBE_STEPS = 64
+PROBE_ACCEPTANCE = 0.99  # "near 1": the acceptance at which a probe is worth its cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +159,9 @@ class AutoK:
     verify_s: dict[int, float] = field(default_factory=dict)  # forward time by rows
     catch_up_token_s: float | None = None  # a catch-up forward's time per token, beyond one draft step
     steps: int = 0
+    idle_steps: int = 0  # steps at K = 0 in a row
+    probe_after: int = PROBE_AFTER  # idle steps before the next probe
+    probe: _Probe | None = None  # the probe under way
 
     @property
     def acceptance(self) -> float | None:
@@ -158,17 +175,35 @@ class AutoK:
         acceptance = self.acceptance
         if acceptance is None or not self.draft_step_s or not self.verify_s:
             return k_max
+        if self.probe is not None:
+            self.probe.steps += 1
+            if self.probe.steps <= PROBE_STEPS:
+                return min(PROBE_K, k_max)
+            self._end_probe()
+            acceptance = self.acceptance
         options = [c for c in self.candidates if c <= k_max]
-        rates = [self._rate(load, k, acceptance) for k in options]
-        best = max(range(len(options)), key=lambda i: (rates[i], -i))  # ties: the smaller K
-        if rates[best] < MIN_GAIN * rates[0]:  # options[0] is K = 0
-            best = 0
+        best = self._best(load, options, acceptance)
         if self.steps % EXPLORE_EVERY == 0:
             for i in (best - 1, best + 1):
                 if (0 <= i < len(options) and load.decoding * (options[i] + 1) not in self.verify_s
                         and (options[i] == 0 or not load.catch_up)):
                     return options[i]
-        return options[best]
+        if best:
+            self.idle_steps, self.probe_after = 0, PROBE_AFTER
+            return options[best]
+        self.idle_steps += 1
+        if self.idle_steps > self.probe_after and k_max and self._best(load, options, PROBE_ACCEPTANCE):
+            self.idle_steps, self.probe_after = 0, min(2 * self.probe_after, PROBE_AFTER_MAX)
+            self.probe = _Probe()
+            return min(PROBE_K, k_max)
+        return 0
+
+    def _best(self, load: StepLoad, options: list[int], acceptance: float) -> int:
+        """Index in ``options`` (``options[0]`` is K = 0) of the K with the best expected rate,
+        0 unless it promises ``MIN_GAIN`` times plain steps' rate."""
+        rates = [self._rate(load, k, acceptance) for k in options]
+        best = max(range(len(options)), key=lambda i: (rates[i], -i))  # ties: the smaller K
+        return best if rates[best] >= MIN_GAIN * rates[0] else 0
 
     def _rate(self, load: StepLoad, k: int, acceptance: float) -> float:
         """Expected tokens per second of ``load``'s requests drafting ``k`` each, a catch-up
@@ -211,10 +246,35 @@ class AutoK:
 
     def record_drafts(self, accepted: int, rejected: int) -> None:
         """One request's step: ``accepted`` drafts kept, ``rejected`` (0 or 1) refused; the first
-        refused draft ends the step, so the rate is per draft given the ones before were kept."""
-        if accepted + rejected:
-            self.accepted = _ema(self.accepted, accepted, ACCEPTANCE_EMA)
-            self.tried = _ema(self.tried, accepted + rejected, ACCEPTANCE_EMA)
+        refused draft ends the step, so the rate is per draft given the ones before were kept.
+        During a probe the steps are summed apart, to replace the stale estimate at its end."""
+        if not accepted + rejected:
+            return
+        if self.probe is not None:
+            self.probe.accepted += accepted
+            self.probe.tried += accepted + rejected
+            self.probe.samples += 1
+            if self.probe.samples >= PROBE_SAMPLES:
+                self._end_probe()
+            return
+        self.accepted = _ema(self.accepted, accepted, ACCEPTANCE_EMA)
+        self.tried = _ema(self.tried, accepted + rejected, ACCEPTANCE_EMA)
+
+    def _end_probe(self) -> None:
+        """The probe's acceptance becomes the estimate (a probe that saw no drafts changes nothing)."""
+        probe, self.probe = self.probe, None
+        if probe is not None and probe.samples:
+            self.accepted, self.tried = probe.accepted / probe.samples, probe.tried / probe.samples
+
+
+@dataclass(slots=True)
+class _Probe:
+    """Drafts summed over a probe's request-steps."""
+
+    steps: int = 0
+    samples: int = 0
+    accepted: int = 0
+    tried: int = 0
 
 
 def _estimate(measured: dict[int, float], x: int, proportional: bool) -> float:
