@@ -10,6 +10,7 @@ from specdecode.errors import InvalidConfigError
 from specdecode.server.k_by_load import (
     PROBE_AFTER,
     PROBE_K,
+    PROBE_MIN_SAMPLES,
     PROBE_SAMPLES,
     PROBE_STEPS,
     AutoK,
@@ -172,6 +173,7 @@ def test_auto_probes_a_stale_acceptance_and_drafts_again():
         auto.record_drafts(accepted, int(accepted < PROBE_K))
     assert auto.probe is None and auto.acceptance == pytest.approx(0.8, abs=0.15)
     assert auto.k_for(StepLoad(1), 12) >= 4  # the drafter is good again: long drafts are back
+    assert auto.probe_after == PROBE_AFTER and auto.idle_steps == 0  # and the next wait starts afresh
 
 
 def test_auto_probes_ever_less_often_where_drafts_stay_bad():
@@ -194,12 +196,27 @@ def test_auto_does_not_probe_where_even_perfect_drafts_would_not_pay():
     assert auto.probe is None
 
 
-def test_a_probe_that_sees_no_drafts_ends_and_keeps_the_estimate():
+def test_a_probe_that_sees_too_few_drafts_ends_and_keeps_the_estimate():
     auto = _stale_at_zero()
     before = auto.acceptance
-    picks = [auto.k_for(StepLoad(1), 12) for _ in range(PROBE_AFTER + PROBE_STEPS + 4)]
-    assert picks.count(PROBE_K) == PROBE_STEPS + 1 and picks[-1] == 0
+    picks = [auto.k_for(StepLoad(1), 12) for _ in range(PROBE_AFTER)]
+    assert picks[-1] == PROBE_K
+    for _ in range(PROBE_MIN_SAMPLES - 1):  # all kept, but too few to say
+        auto.record_drafts(PROBE_K, 0)
+    picks = [auto.k_for(StepLoad(1), 12) for _ in range(PROBE_STEPS + 4)]
+    assert picks.count(PROBE_K) == PROBE_STEPS - 1 and picks[-1] == 0  # PROBE_STEPS steps with the first
     assert auto.probe is None and auto.acceptance == before
+
+
+def test_a_probe_is_neither_started_nor_kept_for_a_load_that_cannot_repay_it():
+    auto = _stale_at_zero()
+    auto.catch_up_token_s = 0.002
+    tail = StepLoad(1, catch_up=300, catching_up=1, remaining=4)  # a 300-token catch-up, 4 tokens left
+    assert set(auto.k_for(tail, 12) for _ in range(2 * PROBE_AFTER)) == {0}
+    assert set(auto.k_for(StepLoad(1), 0) for _ in range(2 * PROBE_AFTER)) == {0}  # the server's K is 0
+    assert auto.k_for(StepLoad(1), 12) == PROBE_K  # a load that would repay drafts: the probe
+    assert auto.k_for(StepLoad(1), 12) == PROBE_K
+    assert auto.k_for(tail, 12) == 0 and auto.probe is None  # the tail arrives: the probe ends
 
 
 def _verify_rows(monkeypatch, llm) -> list[list[int]]:  # noqa: F811

@@ -59,13 +59,15 @@ MIN_GAIN = 1.1
 # At K = 0 nothing measures acceptance, so one bad stretch (a burst of prompts the draft model
 # guesses badly) would keep auto at 0 for good. After PROBE_AFTER steps at 0, if drafts would pay
 # at an acceptance near 1, it drafts PROBE_K for PROBE_SAMPLES request-steps (at most
-# PROBE_STEPS steps) and takes their acceptance as its new estimate; each probe that does not
-# bring drafting back doubles the wait, up to PROBE_AFTER_MAX, so on a machine where drafting
-# does not pay the probes cost ever less.
+# PROBE_STEPS steps, and only while each step's load would repay drafts near 1) and takes their
+# acceptance as its new estimate if they were at least PROBE_MIN_SAMPLES; each probe that does
+# not bring drafting back doubles the wait, up to PROBE_AFTER_MAX, so on a machine where
+# drafting does not pay the probes cost ever less.
 PROBE_AFTER = 256
 PROBE_AFTER_MAX = 16384
 PROBE_K = 2
 PROBE_SAMPLES = 32
+PROBE_MIN_SAMPLES = 8
 PROBE_STEPS = 64
 PROBE_ACCEPTANCE = 0.99  # "near 1": the acceptance at which a probe is worth its cost
 
@@ -175,13 +177,13 @@ class AutoK:
         acceptance = self.acceptance
         if acceptance is None or not self.draft_step_s or not self.verify_s:
             return k_max
-        if self.probe is not None:
-            self.probe.steps += 1
-            if self.probe.steps <= PROBE_STEPS:
-                return min(PROBE_K, k_max)
-            self._end_probe()
-            acceptance = self.acceptance
         options = [c for c in self.candidates if c <= k_max]
+        if self.probe is not None:
+            if self.probe.steps < PROBE_STEPS and self._best(load, options, PROBE_ACCEPTANCE):
+                self.probe.steps += 1
+                return min(PROBE_K, k_max)
+            self._end_probe()  # its steps are spent, or this load (a catch-up, say) would not repay drafts
+            acceptance = self.acceptance
         best = self._best(load, options, acceptance)
         if self.steps % EXPLORE_EVERY == 0:
             for i in (best - 1, best + 1):
@@ -192,9 +194,9 @@ class AutoK:
             self.idle_steps, self.probe_after = 0, PROBE_AFTER
             return options[best]
         self.idle_steps += 1
-        if self.idle_steps > self.probe_after and k_max and self._best(load, options, PROBE_ACCEPTANCE):
+        if self.idle_steps > self.probe_after and self._best(load, options, PROBE_ACCEPTANCE):
             self.idle_steps, self.probe_after = 0, min(2 * self.probe_after, PROBE_AFTER_MAX)
-            self.probe = _Probe()
+            self.probe = _Probe(steps=1)
             return min(PROBE_K, k_max)
         return 0
 
@@ -261,9 +263,10 @@ class AutoK:
         self.tried = _ema(self.tried, accepted + rejected, ACCEPTANCE_EMA)
 
     def _end_probe(self) -> None:
-        """The probe's acceptance becomes the estimate (a probe that saw no drafts changes nothing)."""
+        """The probe's acceptance becomes the estimate, if it saw enough drafts to say
+        (``PROBE_MIN_SAMPLES``: one or two request-steps would swing it to 0 or 1)."""
         probe, self.probe = self.probe, None
-        if probe is not None and probe.samples:
+        if probe is not None and probe.samples >= PROBE_MIN_SAMPLES:
             self.accepted, self.tried = probe.accepted / probe.samples, probe.tried / probe.samples
 
 
