@@ -232,3 +232,52 @@ def test_int4_pack_falls_back_to_int8_off_the_group_size():
     assert not isinstance(quant.pack_int4(w), quant.Int4Groups)
     torch.testing.assert_close(quant.linear_draft(torch.ones(1, 40), quant.pack_int4(w)), torch.ones(1, 40) @ w.T,
                                atol=0.1, rtol=0.05)
+
+
+def _fake_builds(tmp_path, monkeypatch) -> list[list[str]]:
+    """Point the kernels folder at ``tmp_path`` and record, for each ``cpp_extension.load``
+    call, what its build folder held when it was called."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("SPECDECODE_KERNELS", str(tmp_path))
+    calls: list[list[str]] = []
+
+    def fake_load(*, build_directory: str, **_) -> str:
+        calls.append(sorted(os.listdir(build_directory)))
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    return calls
+
+
+def test_a_build_killed_inside_torch_does_not_hang_later_loads(tmp_path, monkeypatch):
+    """torch waits without limit while its ``lock`` file exists; a load killed mid-build leaves
+    one behind, and the next load must remove it rather than wait for ever."""
+    calls = _fake_builds(tmp_path, monkeypatch)
+    assert native._build(native.SOURCE, "linear_rows", ["-O3"], native._unavailable) == "module"
+    (folder,) = tmp_path.iterdir()
+    (folder / "lock").touch()  # what the killed build left
+    assert native._build(native.SOURCE, "linear_rows", ["-O3"], native._unavailable) == "module"
+    assert "lock" not in calls[-1] and not (folder / "lock").exists()
+
+
+def test_a_live_build_is_waited_for_not_broken(tmp_path, monkeypatch):
+    """While another process holds the folder (its ``lock`` is live), a load waits for it."""
+    import fcntl
+    import threading
+
+    calls = _fake_builds(tmp_path, monkeypatch)
+    native._build(native.SOURCE, "linear_rows", ["-O3"], native._unavailable)
+    (folder,) = tmp_path.iterdir()
+    with open(folder / ".specdecode.lock", "a+") as other:  # another process, building
+        fcntl.flock(other, fcntl.LOCK_EX)
+        (folder / "lock").touch()
+        waiter = threading.Thread(target=native._build,
+                                  args=(native.SOURCE, "linear_rows", ["-O3"], native._unavailable))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and len(calls) == 1 and (folder / "lock").exists()
+        (folder / "lock").unlink()  # the other build ends
+        fcntl.flock(other, fcntl.LOCK_UN)
+    waiter.join(10)
+    assert not waiter.is_alive() and len(calls) == 2

@@ -22,6 +22,8 @@ from types import ModuleType
 
 import torch
 
+from specdecode.files import file_lock
+
 SOURCE = Path(__file__).parent / "csrc" / "linear_rows.cpp"
 INT4_SOURCE = Path(__file__).parent / "csrc" / "linear_int4.cpp"
 GGUF_SOURCE = Path(__file__).parent / "csrc" / "linear_gguf.cpp"
@@ -143,18 +145,34 @@ def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType
     digest = hashlib.sha256(key).hexdigest()[:12]
     root = os.environ.get("SPECDECODE_KERNELS") or specdecode_home() / "kernels"
     build = Path(root) / digest
-    build.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(
-            name=f"specdecode_{name}_{digest}",
-            sources=[str(source)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
-    except Exception as exc:  # noqa: BLE001 - any build failure means: use the portable path
-        return unavailable(f"building it failed ({str(exc).splitlines()[0][:200]})")
+    with file_lock(build / ".specdecode.lock", f"the build of the {name} kernel"):
+        remove_stale_baton(build)
+        try:
+            return cpp_extension.load(
+                name=f"specdecode_{name}_{digest}",
+                sources=[str(source)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - any build failure means: use the portable path
+            return unavailable(f"building it failed ({str(exc).splitlines()[0][:200]})")
+
+
+def remove_stale_baton(build: Path) -> bool:
+    """Delete torch's ``lock`` file in ``build``; call it only while holding our lock on the folder.
+
+    ``cpp_extension.load`` marks a build under way with that file and waits, without limit, for
+    it to vanish. A process killed mid-build (even mid no-op check) leaves it behind, and every
+    later load of that kernel would hang. Our ``flock`` dies with its holder, so while we hold it
+    no other load of ours is inside ``cpp_extension.load`` and a ``lock`` file there is stale.
+    """
+    baton = build / "lock"
+    if not baton.exists():
+        return False
+    baton.unlink(missing_ok=True)
+    return True
 
 
 def _int4_unavailable(reason: str) -> None:
