@@ -82,6 +82,18 @@ def sse_events(text: str) -> list[str]:
     return events
 
 
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    """What a raw socket received up to and including ``marker`` (an answer's parts may arrive
+    in separate packets); fails if the server closes first."""
+    sock.settimeout(30)
+    seen = b""
+    while marker not in seen:
+        chunk = sock.recv(4096)
+        assert chunk, seen
+        seen += chunk
+    return seen
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from server_support import LiveServer, SlowJobs, assert_openai_error, metric, sse_events, wait_until
+from server_support import LiveServer, SlowJobs, assert_openai_error, metric, read_until, sse_events, wait_until
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import PromptTooLongError
@@ -225,7 +225,7 @@ def test_429_with_retry_after_when_saturated(tiny_pair):
             for _ in range(5):  # the tiny model is fast: retry if the long request ended first
                 with socket.create_connection(("127.0.0.1", server.port)) as sock:
                     _send_request(sock, long)
-                    _read_until(sock, b"data: ")  # the long request holds the only slot now
+                    read_until(sock, b"data: ")  # the long request holds the only slot now
                     try:
                         client.completions.create(model=MODEL, prompt="b", max_tokens=2)
                     except openai.RateLimitError as exc:
@@ -256,7 +256,7 @@ def test_disconnect_cancels_job_and_frees_slot(tiny_pair, stream):
             with socket.create_connection(("127.0.0.1", server.port)) as sock:
                 _send_request(sock, body)
                 if stream:
-                    _read_until(sock, b"data: ")
+                    read_until(sock, b"data: ")
                 else:  # closing once the job exists: its response would take ~8 s
                     assert wait_until(lambda: slow.submitted == 1)
             assert wait_until(lambda: slow.cancels == 1)
@@ -274,16 +274,6 @@ def _send_request(sock: socket.socket, body: dict) -> None:
     data = json.dumps(body).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
-
-
-def _read_until(sock: socket.socket, marker: bytes) -> bytes:
-    sock.settimeout(30)
-    seen = b""
-    while marker not in seen:
-        chunk = sock.recv(4096)
-        assert chunk, seen
-        seen += chunk
-    return seen
 
 
 # --- bad input -----------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import time
 
 import openai
 import pytest
-from server_support import LiveServer, metric, wait_until
+from server_support import LiveServer, metric, read_until, wait_until
 
 from specdecode import LLM
 from specdecode.server import loadtest
@@ -234,14 +234,6 @@ def test_sigterm_lets_running_requests_finish_within_the_grace(slow_model):
     assert status == 200 and text.rstrip().endswith("data: [DONE]") and "error" not in text
 
 
-def _read_until_closed(sock: socket.socket) -> str:
-    """The whole answer of a server that closes after it: headers and body may arrive apart."""
-    chunks = []
-    while chunk := sock.recv(4096):
-        chunks.append(chunk)
-    return b"".join(chunks).decode()
-
-
 def test_stalled_clients_are_timed_out_and_capped(tiny_pair):
     """Partial headers, a stalled body and too many connections: each ends on its own, the
     server stays healthy meanwhile, and each cause is logged once, not per connection."""
@@ -265,11 +257,11 @@ def test_stalled_clients_are_timed_out_and_capped(tiny_pair):
         body = socket.create_connection(("127.0.0.1", port), timeout=10)  # headers, then a stalled body
         body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"model\":")
-        answer = _read_until_closed(body)
+        answer = read_until(body, b'"request_timeout"').decode()
         assert answer.startswith("HTTP/1.1 408") and '"request_timeout"' in answer
 
         extra = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(25)]
-        refused = [_read_until_closed(s) for s in extra[-5:]]  # beyond 60 open connections
+        refused = [read_until(s, b"too_many_connections").decode() for s in extra[-5:]]  # beyond 60 open connections
         assert all(r.startswith("HTTP/1.1 503") and "too_many_connections" in r for r in refused)
 
         time.sleep(2.0)  # past the header deadline: every stalled connection is closed by the server
