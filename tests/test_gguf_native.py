@@ -1,7 +1,7 @@
 """GGUF weights run as shipped: the repack is lossless, the kernel matches the dequantized
 reference within activation-quantization error, every row's bits are independent of the other
-rows of a call, the AVX2 and portable builds agree bit for bit, and a tiny native model keeps
-every method token-identical to plain decoding."""
+rows of a call, every build the CPU runs (portable, AVX2, VNNI) agrees bit for bit, and a tiny
+native model keeps every method token-identical to plain decoding."""
 
 from __future__ import annotations
 
@@ -31,10 +31,8 @@ def _weight(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[gguf_nat
 
 
 def _builds() -> list[object]:
-    builds = [native.load_gguf(portable=True)]
-    if native.cpu_has_avx2_fma():
-        builds.append(native.load_gguf(portable=False))
-    return builds
+    """Every build of the GGUF kernel this CPU runs: portable, AVX2, and VNNI where it has it."""
+    return [native.load_gguf(isa) for isa in native.gguf_isas()]
 
 
 @pytest.mark.parametrize("type_name", NATIVE)
@@ -52,7 +50,7 @@ def test_kernel_matches_dequantized_reference(type_name: str) -> None:
     want = x @ torch.from_numpy(ref).T
     for build in _builds():
         got = build.linear_gguf(x, [w.part])
-        assert (got - want).norm() / want.norm() < REL_TOL, (type_name, build.avx2())
+        assert (got - want).norm() / want.norm() < REL_TOL, (type_name, build.isa())
 
 
 @pytest.mark.parametrize("type_name", NATIVE)
@@ -65,9 +63,9 @@ def test_rows_bitwise_invariant_and_builds_agree(type_name: str) -> None:
         for n in range(1, 17):
             for start in (0, 16 - n, (16 - n) // 2):
                 got = build.linear_gguf(x[start : start + n].contiguous(), [w.part])
-                assert torch.equal(got, alone[start : start + n]), (type_name, build.avx2(), n, start)
+                assert torch.equal(got, alone[start : start + n]), (type_name, build.isa(), n, start)
         results.append(alone)
-    assert all(torch.equal(results[0], r) for r in results[1:]), "the AVX2 and portable builds differ"
+    assert all(torch.equal(results[0], r) for r in results[1:]), "the builds differ"
 
 
 def test_multi_part_call_equals_separate_calls() -> None:
@@ -97,14 +95,28 @@ def test_fused_input_transforms_and_residual(pre: str) -> None:
     for build in _builds():
         plain = build.linear_gguf(first.contiguous(), [w.part])
         fused = build.linear_gguf(x, [w.part], code, kwargs.get("norm"), kwargs.get("eps", 0.0))
-        assert (fused - plain).norm() / plain.norm() < REL_TOL, (pre, build.avx2())
+        assert (fused - plain).norm() / plain.norm() < REL_TOL, (pre, build.isa())
         added = build.linear_gguf(x, [w.part], code, kwargs.get("norm"), kwargs.get("eps", 0.0), residual)
         assert torch.equal(added, residual + fused)
         alone = torch.cat([build.linear_gguf(x[i : i + 1].contiguous(), [w.part], code, kwargs.get("norm"),
                                              kwargs.get("eps", 0.0)) for i in range(9)])
         assert torch.equal(fused, alone)
         results.append(fused)
-    assert all(torch.equal(results[0], r) for r in results[1:]), "the AVX2 and portable builds differ"
+    assert all(torch.equal(results[0], r) for r in results[1:]), "the builds differ"
+
+
+def test_the_default_build_is_the_fastest_this_cpu_runs(monkeypatch) -> None:
+    monkeypatch.delenv("SPECDECODE_GGUF_ISA", raising=False)
+    monkeypatch.delenv("SPECDECODE_GGUF_PORTABLE", raising=False)
+    cpu = native._cpu_flags()
+    if native.cpu_has_avx2_fma() and ({"avx512f", "avx512vl", "avx512_vnni"} <= cpu or "avx_vnni" in cpu):
+        assert native.gguf_isas()[-1] == "vnni"
+    assert native.load_gguf().isa() == native.gguf_isa() == native.gguf_isas()[-1]
+    monkeypatch.setenv("SPECDECODE_GGUF_ISA", "portable")
+    assert native.gguf_isa() == "portable"
+    monkeypatch.setenv("SPECDECODE_GGUF_ISA", "avx9")
+    with pytest.raises(UnsupportedModelError, match="SPECDECODE_GGUF_ISA=avx9 cannot run here; this CPU runs portable"):
+        native.gguf_isa()
 
 
 def test_extreme_activations_and_zero_rows() -> None:

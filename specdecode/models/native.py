@@ -8,7 +8,10 @@ is built for AVX-512 where the CPU has it (``SPECDECODE_AVX512=0`` forces the AV
 Where it cannot be built or run (no compiler, no AVX2), ``load()`` returns None once with a
 warning and the decoder uses its portable torch path, which is exact too but slower.
 ``csrc/linear_int4.cpp``, the int4 draft kernel, is built the same way on first use of an int4
-draft: for AVX-512 VNNI where the CPU has it, else for AVX2 (``int4_flags()``).
+draft: for AVX-512 VNNI where the CPU has it, else for AVX2 (``int4_flags()``). The GGUF kernel
+(``csrc/linear_gguf.cpp``) has three builds with the same bits, portable, AVX2 and VNNI
+(``gguf_isas()``); it uses the fastest the CPU runs unless ``SPECDECODE_GGUF_ISA`` names one.
+Builds hold a ``flock`` on their folder, so a build killed midway never blocks the next.
 """
 
 from __future__ import annotations
@@ -93,45 +96,87 @@ def load_int4() -> ModuleType | None:
     return _build(INT4_SOURCE, "linear_int4", int4_flags(), _int4_unavailable)
 
 
-def gguf_flags(portable: bool | None = None) -> list[str]:
-    """Compiler flags of the GGUF kernel: its AVX2 build where the CPU has AVX2 (and F16C, FMA),
-    else its portable C++ build; ``SPECDECODE_GGUF_PORTABLE=1`` forces the portable one. Floats
-    are never contracted implicitly: both builds round exactly alike (see the kernel's header)."""
-    if portable is None:
-        portable = os.environ.get("SPECDECODE_GGUF_PORTABLE") == "1" or not cpu_has_avx2_fma()
+GGUF_ISAS = ("portable", "avx2", "vnni")
+
+
+def _vnni_flags() -> list[str]:
+    """Flags that give the GGUF kernel 256-bit VNNI (VPDPWSSD, VPDPBUSD): from AVX-512 VNNI with
+    VL (unless ``SPECDECODE_AVX512`` is 0) or from AVX-VNNI; empty where the CPU has neither."""
+    cpu = _cpu_flags()
+    if os.environ.get("SPECDECODE_AVX512", "1") != "0" and {"avx512f", "avx512vl", "avx512_vnni"} <= cpu:
+        return ["-mavx512f", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"]
+    return ["-mavxvnni"] if "avx_vnni" in cpu else []
+
+
+def gguf_isas() -> list[str]:
+    """The GGUF kernel's builds this CPU can run, slowest first: ``portable`` (plain C++),
+    ``avx2`` (AVX2, FMA, F16C) and ``vnni`` (the AVX2 build with VNNI's fused integer
+    multiply-adds). All give the same bits (see the kernel's header)."""
+    if not cpu_has_avx2_fma():
+        return ["portable"]
+    return ["portable", "avx2", "vnni"] if _vnni_flags() else ["portable", "avx2"]
+
+
+def gguf_isa() -> str:
+    """The GGUF build to use: ``SPECDECODE_GGUF_ISA`` when set (``SPECDECODE_GGUF_PORTABLE=1``
+    means portable), else the fastest this CPU runs."""
+    from specdecode.errors import UnsupportedModelError
+
+    forced = os.environ.get("SPECDECODE_GGUF_ISA") or (
+        "portable" if os.environ.get("SPECDECODE_GGUF_PORTABLE") == "1" else None)
+    if forced is None:
+        return gguf_isas()[-1]
+    if forced not in gguf_isas():
+        raise UnsupportedModelError(f"SPECDECODE_GGUF_ISA={forced} cannot run here; "
+                                    f"this CPU runs {', '.join(gguf_isas())}")
+    return forced
+
+
+def gguf_flags(isa: str) -> list[str]:
+    """Compiler flags of the GGUF kernel's ``isa`` build (one of ``GGUF_ISAS``). Floats are
+    never contracted implicitly: every build rounds exactly alike (see the kernel's header)."""
     flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
-    return flags if portable else flags + ["-mavx2", "-mfma", "-mf16c"]
+    if isa == "portable":
+        return flags
+    flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags + _vnni_flags() if isa == "vnni" else flags
 
 
 @functools.cache
-def load_gguf(portable: bool | None = None) -> ModuleType:
-    """The GGUF kernel (``csrc/linear_gguf.cpp``), built on first use. Native GGUF models need it,
-    so a failed build raises ``UnsupportedModelError`` naming ``--quantize none``."""
+def load_gguf(isa: str | None = None) -> ModuleType:
+    """The GGUF kernel (``csrc/linear_gguf.cpp``) in its ``isa`` build (default ``gguf_isa()``),
+    built on first use. Native GGUF models need it, so a failed build raises
+    ``UnsupportedModelError`` naming ``--quantize none``."""
     from specdecode.errors import UnsupportedModelError
 
-    flags = gguf_flags(portable)
-    if "-mavx2" not in flags and portable is None:
-        print("specdecode: this CPU lacks AVX2/FMA; GGUF models run on the portable kernel (slower)",
-              file=sys.stderr)
+    if isa is None:
+        if not cpu_has_avx2_fma():
+            print("specdecode: this CPU lacks AVX2/FMA; GGUF models run on the portable kernel (slower)",
+                  file=sys.stderr)
+        return load_gguf(gguf_isa())
 
     def failed(reason: str) -> None:
         raise UnsupportedModelError(f"the native GGUF kernel is unavailable: {reason}; "
                                     "run the model dequantized with --quantize none")
 
-    return _build(GGUF_SOURCE, "linear_gguf", flags, failed)
+    return _build(GGUF_SOURCE, "linear_gguf", gguf_flags(isa), failed)
 
 
 @functools.cache
 def load_attention(portable: bool | None = None) -> ModuleType:
-    """The row-wise attention (``csrc/attention_rows.cpp``) native GGUF models use, built like the
-    GGUF kernel (same flags, same refusal naming ``--quantize none``)."""
+    """The row-wise attention (``csrc/attention_rows.cpp``) native GGUF models use: the GGUF
+    kernel's portable or AVX2 flags (it has no integer products for VNNI to fuse; by default
+    portable when the GGUF build is), and the same refusal naming ``--quantize none``."""
     from specdecode.errors import UnsupportedModelError
+
+    if portable is None:
+        portable = gguf_isa() == "portable"
 
     def failed(reason: str) -> None:
         raise UnsupportedModelError(f"the native attention kernel is unavailable: {reason}; "
                                     "run the model dequantized with --quantize none")
 
-    return _build(ATTENTION_SOURCE, "attention_rows", gguf_flags(portable), failed)
+    return _build(ATTENTION_SOURCE, "attention_rows", gguf_flags("portable" if portable else "avx2"), failed)
 
 
 def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType | None:

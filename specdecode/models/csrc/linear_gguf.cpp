@@ -13,8 +13,9 @@
 // order. Floats enter once per block, in a fixed sequence per (row, output): for the k-quants a
 // scalar FMA chain over super-blocks; for the 32-blocks an 8-lane FMA chain whose lane k holds the
 // integer sum of the block's bytes 4k..4k+3, reduced by ``reduce8``'s fixed tree. So a row gets
-// the same bits alone and among any rows at any position, and the AVX2 build and the portable
-// build (plain C++, for CPUs without AVX2) give the same bits as each other.
+// the same bits alone and among any rows at any position, and the three builds give the same
+// bits as each other: portable (plain C++, for CPUs without AVX2), AVX2, and VNNI (the AVX2 code
+// with VPDPWSSD / VPDPBUSD for a multiply-add pair, from AVX-512 VNNI or AVX-VNNI).
 //
 // Weight planes (made losslessly from the GGUF blocks by ``gguf_native.py``), row-major per output:
 //   Q4_K: q [nb*128] nibbles as in GGUF, sc [nb*8], mn [nb*16] (each min twice), d, dm [nb] float
@@ -198,6 +199,36 @@ constexpr int64_t PF = GGUF_PF;  // bytes ahead in the values plane to prefetch
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// The two integer steps of every product, one VNNI instruction each where the build has VNNI
+// (AVX-512 VNNI with VL, or AVX-VNNI), two AVX2 instructions otherwise. Both give the same int32
+// lanes: no step saturates on our operands (unsigned values <= 128 times int8 activations in
+// [-127, 127] keep VPMADDUBSW's pair sums within int16), and int32 sums wrap alike in any grouping.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define GGUF_VNNI 1
+#endif
+
+// acc + VPMADDWD(a, b): lane k += a[2k] * b[2k] + a[2k+1] * b[2k+1].
+inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// Lane k: the sum of u[4k..4k+3] * s[4k..4k+3], u unsigned and s signed bytes.
+inline __m256i dot4(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 // Two groups of 32 unsigned values of a k-quant super-block (``c`` = 0..3), their int16 scales
 // and the offsets of their activations within the super-block.
 struct Pair {
@@ -256,8 +287,8 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
             const Pair p = k_pair<T>(w, i, c);
             for (int r = 0; r < R; ++r) {
                 const int8_t* xb = x[r] + b * 256;
-                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(p.va, load32(xb + p.xa)), p.sa));
-                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(p.vb, load32(xb + p.xb)), p.sb));
+                acc[r] = madd_add(acc[r], _mm256_maddubs_epi16(p.va, load32(xb + p.xa)), p.sa);
+                acc[r] = madd_add(acc[r], _mm256_maddubs_epi16(p.vb, load32(xb + p.xb)), p.sb);
             }
         }
         __m256i mscale;
@@ -306,7 +337,6 @@ template <int T, int R>
 inline void tile_32(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f, float* macc) {
     constexpr bool has_min = T == Q4_1 || T == Q5_1;
     constexpr bool is_signed = !has_min;
-    const __m256i ones = _mm256_set1_epi16(1);
     const int8_t* x[R];
     for (int r = 0; r < R; ++r) x[r] = a.row(r0 + r);
     for (int64_t b = 0; b < w.nb; ++b) {
@@ -319,7 +349,7 @@ inline void tile_32(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256*
         for (int r = 0; r < R; ++r) {
             const int64_t ab = (r0 + r) * a.nb + b;
             const __m256i xr = load32(x[r] + b * 32);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, is_signed ? _mm256_sign_epi8(xr, v) : xr), ones);
+            const __m256i p = dot4(u, is_signed ? _mm256_sign_epi8(xr, v) : xr);
             const float xd = a.d[ab];
             f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd), f[r]);
             if constexpr (has_min) macc[r] = std::fma(w.dm[i] * xd, static_cast<float>(a.bs[ab]), macc[r]);
@@ -550,4 +580,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("residual") = py::none());
     m.def("dequantize_rows", &dequantize_rows, "float rows of a GGUF-quantized weight");
     m.def("avx2", &lanes::avx2, "whether this build uses AVX2 (else the portable C++ build)");
+    m.def("isa", [] {
+#if defined(GGUF_VNNI)
+        return "vnni";
+#else
+        return lanes::avx2() ? "avx2" : "portable";
+#endif
+    }, "this build's name: portable, avx2 or vnni (native.GGUF_ISAS)");
 }
