@@ -1,16 +1,19 @@
 """Time the native GGUF kernel over every matrix of a model, per row count.
 
-    python scripts/gguf_rows.py [MODEL] [--rows 1,2,4,8,9,12,16] [--by-type]
+    python scripts/gguf_rows.py [MODEL] [--rows 1,2,4,8,9,12,16] [--by-type] [--isa avx2,vnni] [--rounds N]
 
-MODEL is a catalog name (default: the 1.5B target) or a .gguf file; ``SPECDECODE_GGUF_ISA``
-picks the kernel build (portable, avx2 or vnni; by default the fastest this CPU runs). Prints the
-best of three passes over all quantized matrices (the embedding table excepted: a decode step
-reads one row of it), i.e. the weight part of one forward of that many rows.
+MODEL is a catalog name (default: the 1.5B target) or a .gguf file. A pass multiplies all its
+quantized matrices (the embedding table excepted: a decode step reads one row of it), i.e. the
+weight part of one forward of that many rows; a round keeps the best of three passes. ``--isa``
+names the kernel builds to time (portable, avx2, vnni; default: the one models use here), taken
+in turn within each round so they share the machine's state; each line prints the median over
+the rounds, and each build after the first its ratio to the first per row count.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -21,11 +24,24 @@ from specdecode.models.catalog import CATALOG, find_weight_files
 from specdecode.models.gguf_native import GGUFWeight
 
 
+def best_of_three(kernel, ws: list[GGUFWeight], xs: dict[int, torch.Tensor]) -> float:  # noqa: ANN001
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for w in ws:
+            kernel.linear_gguf(xs[w.inp], [w.part])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--rows", default="1,2,4,8,9,12,16")
+    ap.add_argument("--rows", default="1,2,4,8,9,12,16", help="row counts (default: %(default)s)")
     ap.add_argument("--by-type", action="store_true", help="one line per quantization type")
+    ap.add_argument("--isa", default=None, help="kernel builds to compare, comma-separated "
+                    f"(of {', '.join(native.GGUF_ISAS)}; default: the one models use here)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds; lines show medians (default: %(default)s)")
     args = ap.parse_args()
     sources = find_weight_files(CATALOG[args.model]) if args.model in CATALOG else [Path(args.model)]
     weights = gguf_load.native_weights(sources)
@@ -35,23 +51,27 @@ def main() -> None:
             groups.setdefault(w.type_name if args.by_type else "all", []).append(w)
     if "lm_head.weight" not in weights and not args.by_type:  # tied: the head reads the embedding
         groups["all"].append(weights["model.embed_tokens.weight"])
-    kernel = native.load_gguf()
-    print(f"kernel build: {kernel.isa()}, {torch.get_num_threads()} threads")
+    isas = args.isa.split(",") if args.isa else [native.gguf_isa()]
+    unknown = sorted(set(isas) - set(native.gguf_isas()))
+    if unknown:
+        ap.error(f"this CPU cannot run {', '.join(unknown)}; it runs {', '.join(native.gguf_isas())}")
+    kernels = {isa: native.load_gguf(isa) for isa in isas}
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"{torch.get_num_threads()} threads, {args.rounds} round(s)")
     for label, ws in groups.items():
-        times = []
-        for n in (int(r) for r in args.rows.split(",")):
-            xs = {w.inp: torch.randn(n, w.inp) for w in ws}
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                for w in ws:
-                    kernel.linear_gguf(xs[w.inp], [w.part])
-                best = min(best, time.perf_counter() - start)
-            times.append((n, best))
+        xs = {n: {w.inp: torch.randn(n, w.inp) for w in ws} for n in rows}
+        times: dict[str, dict[int, list[float]]] = {isa: {n: [] for n in rows} for isa in isas}
+        for _ in range(args.rounds):
+            for isa, kernel in kernels.items():
+                for n in rows:
+                    times[isa][n].append(best_of_three(kernel, ws, xs[n]))
         mb = sum(w.nbytes for w in ws) / 1e6
-        one = times[0][1]
-        print(f"{label}: {len(ws)} matrices, {mb:.0f} MB: " +
-              "  ".join(f"{n} rows {t * 1e3:.1f} ms ({t / one:.2f}x)" for n, t in times))
+        for isa in isas:
+            med = {n: statistics.median(times[isa][n]) for n in rows}
+            base = {n: statistics.median(times[isas[0]][n]) for n in rows}
+            cells = [f"{n} rows {med[n] * 1e3:.1f} ms ({med[n] / med[rows[0]]:.2f}x" +
+                     (f", {med[n] / base[n]:.2f} of {isas[0]})" if isa != isas[0] else ")") for n in rows]
+            print(f"{label}, {isa}: {len(ws)} matrices, {mb:.0f} MB: " + "  ".join(cells))
 
 
 if __name__ == "__main__":
