@@ -13,19 +13,20 @@ from pathlib import Path
 
 
 @contextmanager
-def file_lock(path: Path, what: str, progress: bool = True) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (created if absent) while the block runs.
+def file_lock(path: Path, what: str, progress: bool = True) -> Iterator[bool]:
+    """Hold an exclusive lock on ``path`` (created if absent) while the block runs; yields whether
+    it really holds one.
 
     Serializes one-time work across processes (a server and a CLI run converting the same model,
     two bench runs building the same peer); when another holder has it, says what we wait for.
-    Without ``flock`` (Windows) the block runs unlocked: the work is still written atomically,
-    only possibly done twice.
+    Without ``flock`` (Windows) the block runs unlocked and gets False: the work is still written
+    atomically, only possibly done twice.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
     except ImportError:
-        yield
+        yield False
         return
     with open(path, "a+") as handle:
         try:
@@ -35,7 +36,7 @@ def file_lock(path: Path, what: str, progress: bool = True) -> Iterator[None]:
                 print(f"waiting for another process doing {what} ...", file=sys.stderr)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 

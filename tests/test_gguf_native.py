@@ -80,7 +80,7 @@ def test_multi_part_call_equals_separate_calls() -> None:
 def test_fused_input_transforms_and_residual(pre: str) -> None:
     """RMS norm or silu(gate) * up fused before the product equals doing them first (up to the
     kernel's own rounding of the transform), a residual is added exactly, and rows stay
-    bitwise invariant in both builds."""
+    bitwise invariant in every build."""
     w, _, _ = _weight("Q4_K", 24, 512, seed=4)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(9, 1024 if pre == "glu" else 512, generator=g) * 3
@@ -106,6 +106,7 @@ def test_fused_input_transforms_and_residual(pre: str) -> None:
 
 
 def test_the_default_build_is_the_fastest_this_cpu_runs(monkeypatch) -> None:
+    monkeypatch.delenv("SPECDECODE_AVX512", raising=False)
     monkeypatch.delenv("SPECDECODE_GGUF_ISA", raising=False)
     monkeypatch.delenv("SPECDECODE_GGUF_PORTABLE", raising=False)
     cpu = native._cpu_flags()
@@ -115,8 +116,67 @@ def test_the_default_build_is_the_fastest_this_cpu_runs(monkeypatch) -> None:
     monkeypatch.setenv("SPECDECODE_GGUF_ISA", "portable")
     assert native.gguf_isa() == "portable"
     monkeypatch.setenv("SPECDECODE_GGUF_ISA", "avx9")
-    with pytest.raises(UnsupportedModelError, match="SPECDECODE_GGUF_ISA=avx9 cannot run here; this CPU runs portable"):
+    with pytest.raises(UnsupportedModelError, match="SPECDECODE_GGUF_ISA=avx9 is not a GGUF kernel build"):
         native.gguf_isa()
+    with pytest.raises(ValueError, match="unknown GGUF kernel build 'avx9'"):
+        native.gguf_flags("avx9")
+
+
+def test_a_failed_default_vnni_build_falls_back_to_avx2(monkeypatch, capsys) -> None:
+    """The VNNI build needs a recent compiler (``-mavxvnni``: GCC 11); where it fails, models run
+    on the AVX2 build (same bits) unless the VNNI build was asked for by name."""
+    calls = []
+
+    def load(isa=None):  # noqa: ANN001, ANN202 - stands in for the cached loader
+        calls.append(isa)
+        if isa == "vnni":
+            raise UnsupportedModelError("the native GGUF kernel is unavailable: building it failed")
+        return f"{isa} build"
+
+    unwrapped = native.load_gguf.__wrapped__
+    monkeypatch.setattr(native, "load_gguf", load)
+    monkeypatch.setattr(native, "gguf_isa", lambda: "vnni")
+    monkeypatch.delenv("SPECDECODE_GGUF_ISA", raising=False)
+    assert unwrapped() == "avx2 build" and calls == ["vnni", "avx2"]
+    assert "VNNI build failed, using its AVX2 build" in capsys.readouterr().err
+    monkeypatch.setenv("SPECDECODE_GGUF_ISA", "vnni")
+    with pytest.raises(UnsupportedModelError):
+        unwrapped()
+
+
+# Value bytes at the integer extremes: 0xFF (the largest unsigned values; Q6_K values 63 and its
+# scales -1), 0x80 (Q8_0's -128, Q6_K's scale -128), and Q6_K's values 63 under scales -128.
+EXTREME_FILLS = [("all 0xFF", lambda size: [0xFF] * size), ("all 0x80", lambda size: [0x80] * size),
+                 ("Q6_K 63 at scale -128", lambda size: [0xFF] * 192 + [0x80] * (size - 192))]
+
+
+@pytest.mark.parametrize("type_name", NATIVE)
+def test_extreme_blocks_and_activations_agree_across_builds(type_name: str) -> None:
+    """The builds' integer steps agree where saturation could part them: largest weights against
+    activations quantized to +-127 (rows of +-1, alternating, and one spike per block)."""
+    block, size = next((b, s) for n, b, s in gguf_native.TYPES.values() if n == type_name)
+    raw = random_blocks(np.random.default_rng(3), type_name, 8, 512)
+    f16 = {"Q4_1": [0, 1, 2, 3], "Q5_1": [0, 1, 2, 3], "Q4_K": [0, 1, 2, 3], "Q5_K": [0, 1, 2, 3],
+           "Q6_K": [208, 209]}.get(type_name, [0, 1])
+    x = torch.ones(4, 512)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, ::block] = -50.0  # the rest of each block quantizes to -3 or so
+    for label, fill in EXTREME_FILLS:
+        if label.startswith("Q6_K") and type_name != "Q6_K":
+            continue
+        blocks = raw.reshape(8, 512 // block, size).copy()
+        bytes_ = np.array(fill(size), dtype=np.uint8)
+        keep = np.zeros(size, dtype=bool)
+        keep[f16] = True
+        blocks[..., ~keep] = bytes_[~keep]
+        planes = {k: torch.from_numpy(v) for k, v in gguf_native.repack(blocks.reshape(8, -1), type_name, 8, 512).items()}
+        w = gguf_native.weight_from_planes(type_name, 8, 512, planes)
+        ref = torch.from_numpy(dequantized(blocks.reshape(8, -1), type_name, 8, 512))
+        results = [build.linear_gguf(x, [w.part]) for build in _builds()]
+        assert all(torch.equal(results[0], r) for r in results[1:]), (type_name, label)
+        want = x[1:2] @ ref.T  # every activation -1: exact in int8, so only weight rounding is left
+        assert (results[0][1:2] - want).norm() <= 1e-4 * want.norm() + 1e-6, (type_name, label)
 
 
 def test_extreme_activations_and_zero_rows() -> None:

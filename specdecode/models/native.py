@@ -126,15 +126,28 @@ def gguf_isa() -> str:
         "portable" if os.environ.get("SPECDECODE_GGUF_PORTABLE") == "1" else None)
     if forced is None:
         return gguf_isas()[-1]
-    if forced not in gguf_isas():
-        raise UnsupportedModelError(f"SPECDECODE_GGUF_ISA={forced} cannot run here; "
-                                    f"this CPU runs {', '.join(gguf_isas())}")
+    _check_isa(forced, "SPECDECODE_GGUF_ISA=")
     return forced
+
+
+def _check_isa(isa: str, label: str = "") -> None:
+    """Refuse, by name, a GGUF build that does not exist or that this CPU cannot run."""
+    from specdecode.errors import UnsupportedModelError
+
+    if isa not in GGUF_ISAS:
+        raise UnsupportedModelError(f"{label}{isa} is not a GGUF kernel build; the builds are "
+                                    f"{', '.join(GGUF_ISAS)}")
+    if isa not in gguf_isas():
+        why = " (SPECDECODE_AVX512=0 turns off its AVX-512 VNNI form)" if isa == "vnni" and \
+            os.environ.get("SPECDECODE_AVX512") == "0" else ""
+        raise UnsupportedModelError(f"{label}{isa} cannot run here{why}; this CPU runs {', '.join(gguf_isas())}")
 
 
 def gguf_flags(isa: str) -> list[str]:
     """Compiler flags of the GGUF kernel's ``isa`` build (one of ``GGUF_ISAS``). Floats are
     never contracted implicitly: every build rounds exactly alike (see the kernel's header)."""
+    if isa not in GGUF_ISAS:
+        raise ValueError(f"unknown GGUF kernel build {isa!r}; the builds are {', '.join(GGUF_ISAS)}")
     flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     if isa == "portable":
         return flags
@@ -146,14 +159,23 @@ def gguf_flags(isa: str) -> list[str]:
 def load_gguf(isa: str | None = None) -> ModuleType:
     """The GGUF kernel (``csrc/linear_gguf.cpp``) in its ``isa`` build (default ``gguf_isa()``),
     built on first use. Native GGUF models need it, so a failed build raises
-    ``UnsupportedModelError`` naming ``--quantize none``."""
+    ``UnsupportedModelError`` naming ``--quantize none``; a default VNNI build that fails (say, a
+    compiler too old for ``-mavxvnni``) falls back to the AVX2 build, which has the same bits."""
     from specdecode.errors import UnsupportedModelError
 
     if isa is None:
         if not cpu_has_avx2_fma():
             print("specdecode: this CPU lacks AVX2/FMA; GGUF models run on the portable kernel (slower)",
                   file=sys.stderr)
-        return load_gguf(gguf_isa())
+        isa = gguf_isa()
+        if isa != "vnni" or os.environ.get("SPECDECODE_GGUF_ISA"):
+            return load_gguf(isa)
+        try:
+            return load_gguf("vnni")
+        except UnsupportedModelError as exc:
+            print(f"specdecode: the GGUF kernel's VNNI build failed, using its AVX2 build ({exc})", file=sys.stderr)
+            return load_gguf("avx2")
+    _check_isa(isa)
 
     def failed(reason: str) -> None:
         raise UnsupportedModelError(f"the native GGUF kernel is unavailable: {reason}; "
@@ -179,6 +201,11 @@ def load_attention(portable: bool | None = None) -> ModuleType:
     return _build(ATTENTION_SOURCE, "attention_rows", gguf_flags("portable" if portable else "avx2"), failed)
 
 
+# Part of every build folder's name: it changes when the way processes share a folder changes, so
+# a process of an older version (one that loads without our flock) never builds in the same one.
+FOLDER_USE = b"flock-1"
+
+
 def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType | None:
     """Compile ``source`` once per (source, torch, flags) into the kernels folder and load it."""
     from torch.utils import cpp_extension
@@ -186,12 +213,13 @@ def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType
     from specdecode.models.catalog import specdecode_home
 
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what sources include
-    key = source.read_bytes() + headers + torch.__version__.encode() + str(flags).encode()
+    key = FOLDER_USE + source.read_bytes() + headers + torch.__version__.encode() + str(flags).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     root = os.environ.get("SPECDECODE_KERNELS") or specdecode_home() / "kernels"
     build = Path(root) / digest
-    with file_lock(build / ".specdecode.lock", f"the build of the {name} kernel"):
-        remove_stale_baton(build)
+    with file_lock(build / ".specdecode.lock", f"the build of the {name} kernel") as locked:
+        if locked and remove_stale_baton(build):
+            print(f"specdecode: removed {build / 'lock'}, left by a build that was killed", file=sys.stderr)
         try:
             return cpp_extension.load(
                 name=f"specdecode_{name}_{digest}",

@@ -185,7 +185,7 @@ void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64
 }
 
 #if defined(__AVX2__)
-// ---- AVX2 build: each block decoded into registers once, then applied to a tile of rows. -----
+// ---- AVX2 and VNNI builds: each block decoded into registers once, then applied to a tile of rows.
 
 #ifndef GGUF_RT
 #define GGUF_RT 8
@@ -425,7 +425,7 @@ void output_rows(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y,
 #endif
 
 // ---- Input transforms, fused so a layer's norms and gated activation cost no torch calls. ------
-// Each works on one row in a fixed order with ``lanes::V8`` (the same bits in both builds).
+// Each works on one row in a fixed order with ``lanes::V8`` (the same bits in every build).
 
 // RMS norm: x * (1 / sqrt(mean(x^2) + eps)) * weight; the sum of squares as an 8-lane FMA chain.
 void rms_row(const float* x, const float* weight, int64_t in, float eps, float* y) {
