@@ -259,10 +259,12 @@ def test_stalled_clients_are_timed_out_and_capped(tiny_pair):
                      b"Content-Length: 100\r\n\r\n{\"model\":")
         answer = read_until(body, b'"request_timeout"').decode()
         assert answer.startswith("HTTP/1.1 408") and '"request_timeout"' in answer
+        assert body.recv(1) == b""  # and the server closed it
 
         extra = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(25)]
         refused = [read_until(s, b"too_many_connections").decode() for s in extra[-5:]]  # beyond 60 open connections
         assert all(r.startswith("HTTP/1.1 503") and "too_many_connections" in r for r in refused)
+        assert all(s.recv(1) == b"" for s in extra[-5:])  # each closed after its answer
 
         time.sleep(2.0)  # past the header deadline: every stalled connection is closed by the server
         for sock in stalled:
