@@ -43,6 +43,12 @@ def main() -> None:
                     f"(of {', '.join(native.GGUF_ISAS)}; default: the one models use here)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds; lines show medians (default: %(default)s)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    isas = args.isa.split(",") if args.isa else [native.gguf_isa()]
+    unknown = sorted(set(isas) - set(native.gguf_isas()))
+    if unknown:
+        ap.error(f"this CPU cannot run {', '.join(unknown)}; it runs {', '.join(native.gguf_isas())}")
     sources = find_weight_files(CATALOG[args.model]) if args.model in CATALOG else [Path(args.model)]
     weights = gguf_load.native_weights(sources)
     groups: dict[str, list[GGUFWeight]] = {}
@@ -51,10 +57,6 @@ def main() -> None:
             groups.setdefault(w.type_name if args.by_type else "all", []).append(w)
     if "lm_head.weight" not in weights and not args.by_type:  # tied: the head reads the embedding
         groups["all"].append(weights["model.embed_tokens.weight"])
-    isas = args.isa.split(",") if args.isa else [native.gguf_isa()]
-    unknown = sorted(set(isas) - set(native.gguf_isas()))
-    if unknown:
-        ap.error(f"this CPU cannot run {', '.join(unknown)}; it runs {', '.join(native.gguf_isas())}")
     kernels = {isa: native.load_gguf(isa) for isa in isas}
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{torch.get_num_threads()} threads, {args.rounds} round(s)")
