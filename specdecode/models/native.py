@@ -120,8 +120,6 @@ def gguf_isas() -> list[str]:
 def gguf_isa() -> str:
     """The GGUF build to use: ``SPECDECODE_GGUF_ISA`` when set (``SPECDECODE_GGUF_PORTABLE=1``
     means portable), else the fastest this CPU runs."""
-    from specdecode.errors import UnsupportedModelError
-
     forced = os.environ.get("SPECDECODE_GGUF_ISA") or (
         "portable" if os.environ.get("SPECDECODE_GGUF_PORTABLE") == "1" else None)
     if forced is None:
