@@ -16,9 +16,9 @@ from gguf import GGMLQuantizationType as Q
 from specdecode.models.gguf_native import TYPES
 
 # Byte offsets of each type's fp16 fields within its block.
-_F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-NATIVE = list(_F16_FIELDS)
+NATIVE = list(F16_FIELDS)
 
 
 def random_blocks(rng: np.random.Generator, type_name: str, out: int, inp: int, scale: float = 0.01) -> np.ndarray:
@@ -26,7 +26,7 @@ def random_blocks(rng: np.random.Generator, type_name: str, out: int, inp: int, 
     block, size = next((b, s) for n, b, s in TYPES.values() if n == type_name)
     raw = rng.integers(0, 256, size=(out, inp // block, size), dtype=np.uint8)
     per = {"Q4_K": 1 / 30, "Q5_K": 1 / 60, "Q6_K": 1 / 40, "Q8_0": 1 / 64, "Q4_0": 1 / 4, "Q5_0": 1 / 8}.get(type_name, 1 / 8)
-    for off in _F16_FIELDS[type_name]:
+    for off in F16_FIELDS[type_name]:
         d = (rng.uniform(0.5, 1.5, size=(out, inp // block)) * scale * per).astype(np.float16)
         raw[..., off : off + 2] = d.view(np.uint8).reshape(out, inp // block, 2)
     return raw.reshape(out, -1)
