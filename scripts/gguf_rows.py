@@ -68,9 +68,9 @@ def main() -> None:
                 for n in rows:
                     times[isa][n].append(best_of_three(kernel, ws, xs[n]))
         mb = sum(w.nbytes for w in ws) / 1e6
+        base = {n: statistics.median(times[isas[0]][n]) for n in rows}
         for isa in isas:
             med = {n: statistics.median(times[isa][n]) for n in rows}
-            base = {n: statistics.median(times[isas[0]][n]) for n in rows}
             cells = [f"{n} rows {med[n] * 1e3:.1f} ms ({med[n] / med[rows[0]]:.2f}x" +
                      (f", {med[n] / base[n]:.2f} of {isas[0]})" if isa != isas[0] else ")") for n in rows]
             print(f"{label}, {isa}: {len(ws)} matrices, {mb:.0f} MB: " + "  ".join(cells))

@@ -239,10 +239,10 @@ def remove_stale_baton(build: Path) -> bool:
     later load of that kernel would hang. Our ``flock`` dies with its holder, so while we hold it
     no other load of ours is inside ``cpp_extension.load`` and a ``lock`` file there is stale.
     """
-    baton = build / "lock"
-    if not baton.exists():
+    try:
+        (build / "lock").unlink()
+    except FileNotFoundError:
         return False
-    baton.unlink(missing_ok=True)
     return True
 
 
