@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from specdecode.config import Constraint, SamplingParams, SpecConfig
+from specdecode.config import SpecConfig
+from specdecode.params import Constraint, SamplingParams
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:

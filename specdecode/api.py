@@ -13,8 +13,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL,
-                               ModelSpec, SamplingParams, SpecConfig)
+from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, ModelSpec, SpecConfig)
+from specdecode.params import SamplingParams
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.registry import REGISTRY, DraftResources, build_drafter
 from specdecode.drafters.vocab import same_vocabulary

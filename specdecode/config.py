@@ -6,17 +6,17 @@ that names the field, instead of deep inside the decode loop.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from specdecode.drafters.lookahead import LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW
 from specdecode.drafters.registry import METHOD_NAMES
-from specdecode.errors import InvalidConfigError, InvalidSamplingParamsError
+from specdecode.errors import InvalidConfigError
+from specdecode.params import MAX_SPECULATIVE_TOKENS
 
 # Up to 12 drafts per step: with the int4 draft, K=12 beat K=8 by 2-6% for draft_model, combined,
 # tree and ngram in each of four bench runs on the AVX2 machine (docs/PERFORMANCE.md, the levers
 # table).
 DEFAULT_SPECULATIVE_TOKENS = 12
-MAX_SPECULATIVE_TOKENS = 32  # verify steps stay below kernels.PREFILL_ROWS rows
 # Stop drafting once the draft's probability for its draft so far drops below this. 0.5 was the
 # best of 0-0.7 (per-token and cumulative rules) on five workloads (docs/PERFORMANCE.md, the
 # levers table; the comparison is in the commit it names).
@@ -26,99 +26,11 @@ DEFAULT_DRAFT_CONFIDENCE = 0.5
 # present); without AVX2 int4 falls back to int8; "none" keeps the model dtype.
 DRAFT_QUANTIZE_CHOICES = ("int8", "int4", "none")
 DEFAULT_DRAFT_QUANTIZE = "int4"
-# Lookahead: at most 4 * 2 window rows + 3 * 2 candidate rows, a verify about 1.3x a plain step
-# here (docs/PERFORMANCE.md).
-LOOKAHEAD_WINDOW, LOOKAHEAD_NGRAM, LOOKAHEAD_CANDIDATES = 4, 3, 3
 DTYPES = ("float32", "bfloat16")
 DEFAULT_DTYPE = "float32"
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}  # the draft a method uses unless told
 DEFAULT_MAX_SEQ_LEN = 4096  # context allocated per sequence
-# Below this a temperature is greedy decoding in all but name, and dividing float32 logits by it
-# overflows (1e-300 is 0 in float32); vLLM draws the same line.
-GREEDY_BELOW = 1e-5
-
-
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed takes
-MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
-CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """What the output must match; ``sample/grammar.py`` compiles it and masks the target with it.
-
-    ``kind``: ``json_object`` (any JSON object; ``spec`` unused), ``json_schema`` (``spec`` is the
-    schema as JSON text), ``regex``, ``grammar`` (a Lark grammar; llguidance also reads GBNF
-    written as Lark) or ``choice`` (``spec`` is a JSON list of the allowed strings).
-    """
-
-    kind: str
-    spec: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in CONSTRAINT_KINDS:
-            raise InvalidSamplingParamsError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
-                                             f"got {self.kind!r}")
-        if self.kind != "json_object" and not self.spec:
-            raise InvalidSamplingParamsError(f"a {self.kind} constraint needs its {self.kind.replace('_', ' ')}")
-
-    @classmethod
-    def json_schema(cls, schema: dict | str) -> Constraint:
-        import json
-
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
-
-    @classmethod
-    def choice(cls, options: list[str]) -> Constraint:
-        import json
-
-        return cls("choice", json.dumps(list(options)))
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` means greedy (argmax)."""
-
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; n: the chosen token's logprob and the n most likely
-    constraint: Constraint | None = None  # structured output: the grammar the output must match
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):  # a single stop string is a common call shape
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidSamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidSamplingParamsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidSamplingParamsError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if any(not s for s in self.stop):
-            raise InvalidSamplingParamsError("stop strings must be non-empty")
-        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise InvalidSamplingParamsError(f"seed must be an integer in [-2**63, 2**64 - 1] (what torch's "
-                                             f"generator takes), got {str(self.seed)[:40]}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidSamplingParamsError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.constraint is not None and not isinstance(self.constraint, Constraint):
-            raise InvalidSamplingParamsError("constraint must be a specdecode.Constraint")
-        if self.constraint is not None and self.ignore_eos:
-            raise InvalidSamplingParamsError("ignore_eos cannot be combined with a constraint: once the grammar is "
-                                             "complete, end of sequence is the only token it allows")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specdecode.api import LLM
-from specdecode.config import SamplingParams
-from specdecode.drafters.base import SequenceState
+from specdecode.params import SamplingParams
+from specdecode.sequence import SequenceState
 from specdecode.drafters.draft_model import DraftModelDrafter, draft_batch
 from specdecode.models.decoder import Decoder
 from specdecode.server.scheduler import Job, Scheduler

@@ -23,7 +23,7 @@ from specdecode.bench.workloads import (
     WORKLOAD_NAMES, Prompt, limit_per_category, load_workloads, parse_workload_names,
 )
 from specdecode.cli import main
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.errors import InvalidConfigError
 from tests.conftest import make_tiny_llm
 

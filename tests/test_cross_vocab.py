@@ -406,7 +406,7 @@ def test_draft_end_of_sequence_becomes_the_target_end(char_llm, tmp_path):
     prompt = char_llm.tokenizer.encode(CHARS[3] * 5)
     oracle = TextOracle(draft_tok, CHARS[3] * 5 + CHARS[1] + CHARS[2] + "<eos>", draft_tok.vocab_size)
     drafter = CrossVocabDrafter(oracle, draft_tok, char_llm.tokenizer, 64)
-    from specdecode.drafters.base import SequenceState
+    from specdecode.sequence import SequenceState
 
     seq = SequenceState(list(prompt), len(prompt), _greedy())
     drafter.begin(seq)
@@ -423,7 +423,7 @@ def test_confidence_stop_drafts_one_lookahead_token(char_llm, tmp_path):
     draft_tok = Tokenizer.from_dir(tmp_path)
     prompt = char_llm.tokenizer.encode(CHARS[3] * 5)
     reference = CHARS[3] * 5 + CHARS[1] + CHARS[2] + "".join(CHARS[4:20])
-    from specdecode.drafters.base import SequenceState
+    from specdecode.sequence import SequenceState
 
     seq = SequenceState(list(prompt), len(prompt), _greedy())
     for confidence, expected, forwards in ((0.5, [1, 2], 2), (0.0, [1, 2, 4, 5, 6, 7, 8, 9], 9)):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode import LLM, Constraint, SamplingParams
-from specdecode.drafters.base import SequenceState
+from specdecode.sequence import SequenceState
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.errors import CheckpointError, HeadMismatchError, InvalidConfigError, UnsupportedModelError
 from specdecode.heads.eagle3 import Eagle3Config, Eagle3Head, default_hidden_layers

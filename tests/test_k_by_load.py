@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.errors import InvalidConfigError
 from specdecode.server.k_by_load import (
     PROBE_AFTER,

@@ -39,7 +39,7 @@ if os.environ.get("STUB_FAIL"):
 model, port = args[args.index("-m") + 1], int(args[args.index("--port") + 1])
 
 from specdecode.api import LLM
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 
 llm = LLM(model=model, max_seq_len=512, progress=False)
 diverge_at = int(os.environ.get("STUB_DIVERGE_AT", "-1"))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdecode.sample import sampling
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.sample.sampling import greedy, logits_to_probs, sample
 
 NEG_INF = float("-inf")
@@ -277,7 +277,7 @@ def _normal_upper_quantile(alpha: float) -> float:
 
 def test_vanishing_temperature_is_greedy():
     """1e-300 is 0 in float32: dividing logits by it would overflow, so it decodes greedily."""
-    from specdecode.config import SamplingParams
+    from specdecode.params import SamplingParams
 
     assert SamplingParams(temperature=1e-300).greedy and SamplingParams(temperature=0.0).greedy
     assert not SamplingParams(temperature=1e-4).greedy

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from specdecode.api import LLM
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.errors import PromptTooLongError, ServerBusyError
 from specdecode.server.scheduler import Scheduler
 from tests.conftest import spec_k

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdecode import LLM, Constraint, SamplingParams
-from specdecode.drafters.base import DraftProposal, Drafter
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import DraftProposal
 from specdecode.errors import InvalidConstraintError, InvalidSamplingParamsError
 from specdecode.sample.grammar import _unpack
 from specdecode.sample.sampling import logits_to_probs

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specdecode import LLM, SamplingParams
-from specdecode.drafters.base import SequenceState
+from specdecode.sequence import SequenceState
 from specdecode.drafters.suffix import SuffixDrafter, SuffixHistory
 from specdecode.errors import DatastoreError, InvalidConfigError
 from specdecode.index import Datastore, build_datastore, tokenizer_fingerprint

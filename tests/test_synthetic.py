@@ -11,7 +11,7 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.cli import main
 from specdecode.config import SpecConfig
-from specdecode.drafters.base import DraftProposal
+from specdecode.sequence import DraftProposal
 from specdecode.errors import InvalidConfigError
 from specdecode.sample.synthetic import synthetic_length, verify_synthetic
 from tests.test_bench import bench, pair_args

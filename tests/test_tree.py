@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specdecode.drafters.base import DraftProposal
+from specdecode.sequence import DraftProposal
 from specdecode.drafters.tree import TokenTrie
 from specdecode.models.decoder import Decoder
 from specdecode.sample.tree import children_by_row, verify_tree_greedy, verify_tree_rejection

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdecode.sample import chain as verify
-from specdecode.sample.chain import VerifyResult, verify_greedy, verify_rejection
+from specdecode.sample.chain import verify_greedy, verify_rejection
+from specdecode.sequence import VerifyResult
 
 V = 6  # vocabulary of the simulations
 K = 3  # draft length of the simulations
@@ -373,8 +374,8 @@ def test_verify_result_is_frozen() -> None:
 
 def test_verify_dispatches_chain_and_tree_greedy_and_sampled():
     from specdecode.sample.verify import verify
-    from specdecode.config import SamplingParams
-    from specdecode.drafters.base import DraftProposal
+    from specdecode.params import SamplingParams
+    from specdecode.sequence import DraftProposal
     from specdecode.sample.sampling import logits_to_probs
     from specdecode.sample.tree import verify_tree_greedy
 

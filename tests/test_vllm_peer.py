@@ -41,7 +41,7 @@ def flag(name, default=None):
 
 spec = json.loads(flag("--speculative-config", "null"))
 from specdecode.api import LLM
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 
 ours = {None: "none", "ngram": "ngram", "draft_model": "draft_model"}[spec and spec["method"]]
 llm = LLM(model=flag("--model"), draft=spec.get("model") if ours == "draft_model" else None,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.bench.runner import Contestant
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import InvalidConfigError, SpecDecodeError
 from specdecode.engine.stats import RequestStats

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.runner import Contestant
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import SpecDecodeError
 from specdecode.engine.stats import RequestStats

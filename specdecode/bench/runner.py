@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdecode.bench.workloads import Prompt
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES, build_drafter
 from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import InvalidConfigError, SpecDecodeError

@@ -37,7 +37,7 @@ from specdecode.bench.endpoint import endpoint_contestant, endpoint_url
 from specdecode.bench.llamacpp import ServerProcess
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.bench.runner import Contestant, Detached
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.engine.generation import GenerationOutput
 from specdecode.export.vllm import VLLM_VERSION
 

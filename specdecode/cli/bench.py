@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.cli.options import add_draft_options, add_method_options, add_quantize_option, method_options
-from specdecode.config import (DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS,
-                               DTYPES, SamplingParams)
+from specdecode.config import (DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS, DTYPES)
+from specdecode.params import SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES
 from specdecode.errors import InvalidConfigError
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from specdecode.config import DEFAULT_SPECULATIVE_TOKENS, SamplingParams
+from specdecode.config import DEFAULT_SPECULATIVE_TOKENS
+from specdecode.params import SamplingParams
 
 PROMPTS = [
     ("code", "Write a Python function `merge_sorted(a, b)` that merges two sorted lists into one "

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
                                     add_quantize_option, method_options)
-from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES, MAX_LOGPROBS, Constraint, SamplingParams
+from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
+from specdecode.params import MAX_LOGPROBS, Constraint, SamplingParams
 from specdecode.errors import InvalidConfigError
 
 

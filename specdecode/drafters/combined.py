@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from specdecode.drafters.base import DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import DraftProposal, SequenceState
 from specdecode.drafters.cross_vocab import CrossVocabDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter

@@ -42,7 +42,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.drafters.vocab import INCOMPLETE, common_prefix_len, stable_continuation
 from specdecode.models.decoder import Decoder
 from specdecode.sample.sampling import greedy

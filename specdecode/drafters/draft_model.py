@@ -28,7 +28,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.errors import VocabularyMismatchError
 from specdecode.models.cache import KVCache
 from specdecode.models.decoder import Decoder

@@ -28,8 +28,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import (DraftProposal, Drafter, SequenceState, most_probable_tree,
-                                      pick_from_subvocabulary)
+from specdecode.drafters.base import Drafter, most_probable_tree, pick_from_subvocabulary
+from specdecode.sequence import DraftProposal, SequenceState
 from specdecode.heads.eagle3 import Eagle3Head, attention
 from specdecode.models import quant
 from specdecode.models.decoder import Decoder

@@ -28,10 +28,14 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.drafters.tree import TokenTrie
-from specdecode.config import LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW
 from specdecode.errors import InvalidConfigError
+
+# Lookahead: at most 4 * 2 window rows + 3 * 2 candidate rows, a verify about 1.3x a plain step
+# here (docs/PERFORMANCE.md).
+LOOKAHEAD_WINDOW, LOOKAHEAD_NGRAM, LOOKAHEAD_CANDIDATES = 4, 3, 3
 
 MAX_POOL_PER_TOKEN = 8  # n-grams kept per first token, most recent first
 

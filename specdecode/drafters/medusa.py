@@ -20,8 +20,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import (EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState, most_probable_tree,
-                                      pick_from_subvocabulary)
+from specdecode.drafters.base import Drafter, most_probable_tree, pick_from_subvocabulary
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.heads.medusa import MedusaHeads
 from specdecode.models import kernels, quant
 from specdecode.models.decoder import Decoder

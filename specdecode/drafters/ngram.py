@@ -19,7 +19,8 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 
 MAX_OCCURRENCES = 4  # positions kept per n-gram: the earliest and the next few
 

@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.errors import InvalidConfigError
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory

@@ -20,7 +20,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 

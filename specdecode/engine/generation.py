@@ -20,9 +20,11 @@ from specdecode.sample.logprobs import TokenLogprob, token_logprobs
 from specdecode.sample.synthetic import verify_synthetic
 from specdecode.sample.verify import verify
 from specdecode.models.cache import KVCache
-from specdecode.config import MAX_SPECULATIVE_TOKENS, SamplingParams, SpecConfig
+from specdecode.config import SpecConfig
+from specdecode.params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.engine.draft_length import DraftLength
-from specdecode.drafters.base import EMPTY_PROPOSAL, DraftProposal, Drafter, SequenceState
+from specdecode.drafters.base import Drafter
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.errors import NonFiniteLogitsError, PromptTooLongError
 from specdecode.models.decoder import Decoder, HiddenCapture
 from specdecode.sample.sampling import greedy, logits_to_probs, sample

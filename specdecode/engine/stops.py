@@ -7,8 +7,8 @@ back from the stream, so streamed text always equals the final text.
 
 from __future__ import annotations
 
-from specdecode.config import SamplingParams
-from specdecode.drafters.base import SequenceState
+from specdecode.params import SamplingParams
+from specdecode.sequence import SequenceState
 from specdecode.tokenizer import Tokenizer
 
 

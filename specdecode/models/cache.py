@@ -18,7 +18,7 @@ import torch
 from specdecode.errors import PromptTooLongError
 
 if TYPE_CHECKING:
-    from specdecode.sample.chain import VerifyResult
+    from specdecode.sequence import VerifyResult
 
 
 class KVCache:

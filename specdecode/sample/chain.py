@@ -27,27 +27,16 @@ seeded run is reproducible from the sequence of K values alone. ``verify_greedy`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from specdecode.sample.sampling import sample
+from specdecode.sequence import VerifyResult
 
 # If the residual max(0, p - q) has at most this mass, p and q agree up to rounding: draw the
 # recovered token from p instead. Rejection there has probability about this mass, so the
 # emitted distribution moves by at most ~1e-6 in total variation.
 RESIDUAL_MIN_MASS = 1e-6
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyResult:
-    """Outcome of one verify step, chain or tree."""
-
-    num_accepted: int  # accepted draft tokens, 0..K
-    tokens: list[int]  # the accepted draft tokens, then one recovered or bonus token
-    rows: list[int] | None = None  # a tree's kept path as verify rows, root (0) first; None: a chain,
-    # whose kept rows are its first num_accepted + 1
 
 
 def verify_greedy(

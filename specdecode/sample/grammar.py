@@ -40,8 +40,8 @@ import threading
 import torch
 from torch import Tensor
 
-from specdecode.config import Constraint
-from specdecode.drafters.base import DraftProposal
+from specdecode.params import Constraint
+from specdecode.sequence import DraftProposal
 from specdecode.errors import InvalidConstraintError
 from specdecode.tokenizer import Tokenizer
 

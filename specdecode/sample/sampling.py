@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 
 _CANDIDATES = 1024  # tokens examined by the top-k / top-p fast path before a full sort
 

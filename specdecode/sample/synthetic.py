@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specdecode.config import SamplingParams
-from specdecode.drafters.base import DraftProposal
+from specdecode.params import SamplingParams
+from specdecode.sequence import DraftProposal
 from specdecode.errors import InvalidConfigError
-from specdecode.sample.chain import VerifyResult
+from specdecode.sequence import VerifyResult
 from specdecode.sample.sampling import greedy, logits_to_probs, sample
 
 

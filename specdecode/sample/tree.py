@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from specdecode.sample.sampling import sample
-from specdecode.sample.chain import RESIDUAL_MIN_MASS, VerifyResult
+from specdecode.sample.chain import RESIDUAL_MIN_MASS
+from specdecode.sequence import VerifyResult
 
 
 def children_by_row(parents: Sequence[int]) -> list[list[int]]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdecode.config import SamplingParams
-from specdecode.drafters.base import DraftProposal
+from specdecode.params import SamplingParams
+from specdecode.sequence import DraftProposal
 from specdecode.sample.sampling import logits_to_probs
-from specdecode.sample.chain import VerifyResult, verify_greedy, verify_rejection
+from specdecode.sample.chain import verify_greedy, verify_rejection
+from specdecode.sequence import VerifyResult
 from specdecode.sample.tree import verify_tree_greedy, verify_tree_rejection
 
 

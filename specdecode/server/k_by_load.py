@@ -44,7 +44,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdecode.config import MAX_SPECULATIVE_TOKENS
+from specdecode.params import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidConfigError
 
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d*)\s*)?:\s*(\d+)\s*$")

@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 
 from specdecode.api import LLM
-from specdecode.config import GREEDY_BELOW, Constraint, SamplingParams
+from specdecode.params import GREEDY_BELOW, Constraint, SamplingParams
 from specdecode.engine.generation import GenerationOutput
 from specdecode.sample.logprobs import TokenLogprob
 from specdecode.tokenizer import Tokenizer

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.api import LLM
-from specdecode.config import SamplingParams
-from specdecode.drafters.base import DraftProposal
+from specdecode.params import SamplingParams
+from specdecode.sequence import DraftProposal
 from specdecode.drafters.draft_model import DraftModelDrafter, draft_batch
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.errors import ServerBusyError

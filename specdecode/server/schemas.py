@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specdecode.config import MAX_LOGPROBS  # OpenAI's top_logprobs limit; completions take the same
+from specdecode.params import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from specdecode.config import SamplingParams
+from specdecode.params import SamplingParams
 from specdecode.engine.generation import Engine
 from specdecode.models import quant
 from specdecode.models.decoder import Decoder

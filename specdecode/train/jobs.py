@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specdecode.config import DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, SamplingParams
+from specdecode.config import DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS
+from specdecode.params import SamplingParams
 from specdecode.errors import InvalidConfigError
 from specdecode.api import LLM
 from specdecode.heads.folders import write_files

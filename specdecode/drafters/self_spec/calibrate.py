@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.config import MAX_SPECULATIVE_TOKENS
+from specdecode.params import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidConfigError
 from specdecode.models.config import ModelConfig, config_fingerprint
 from specdecode.models.decoder import Decoder
