@@ -18,7 +18,8 @@ from specdecode.params import SamplingParams
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.registry import REGISTRY, DraftResources, build_drafter
 from specdecode.drafters.vocab import same_vocabulary
-from specdecode.engine.generation import Engine, GenerationOutput, StreamEvent
+from specdecode.engine.engine import Engine
+from specdecode.engine.generation import GenerationOutput, StreamEvent
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError

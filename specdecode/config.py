@@ -43,7 +43,8 @@ class SpecConfig:
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
     """Most drafts verified per step (K)."""
     adaptive: bool = True
-    """The draft length follows each request's acceptance, up to K; False: K every step."""
+    """The speculation policy (``engine/policy.py``) picks each request's draft length every step,
+    up to K and 0 included, from measured costs and the request's acceptance; False: K every step."""
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
     """A draft model stops drafting once its probability for the draft so far (the product of
     its token probabilities) falls below this; 0 never stops early."""

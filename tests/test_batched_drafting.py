@@ -1,4 +1,5 @@
-"""Batched drafting: concurrent requests share the draft model's forwards and keep their outputs."""
+"""Batched drafting: concurrent requests share the draft model's forwards, whatever drafter
+wraps it, and keep their outputs."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import torch
 from specdecode.api import LLM
 from specdecode.params import SamplingParams
 from specdecode.sequence import SequenceState
-from specdecode.drafters.draft_model import DraftModelDrafter, draft_batch
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.engine.batch import Batch
+from specdecode.engine.drafting import DraftWork, draft_all
+from specdecode.engine.policy import FixedK
 from specdecode.models.decoder import Decoder
-from specdecode.server.scheduler import Job, Scheduler
+from specdecode.sequence import DraftProposal
+from specdecode.server.scheduler import Scheduler
 from tests.conftest import spec_k
 
 K = 4
@@ -40,6 +45,14 @@ def _seq(ids: list[int], params: SamplingParams, seed: int = 0) -> SequenceState
 
 def _drafter(llm: LLM, confidence: float) -> DraftModelDrafter:
     return DraftModelDrafter(llm.draft_model, llm.target.config.vocab_size, 256, confidence)
+
+
+def draft_batch(items) -> list[DraftProposal]:
+    """Each (drafter, seq, k)'s proposal, drafted together through the step loop's ``draft_all``."""
+    works = [DraftWork(d.drafting(s, k)) for d, s, k in items]
+    draft_all(works)
+    assert all(w.error is None for w in works)
+    return [w.proposal for w in works]
 
 
 def test_draft_batch_equals_each_drafters_own_proposals_over_several_steps(llm):
@@ -223,26 +236,43 @@ def test_a_failing_shared_draft_forward_fails_its_requests_only(llm, monkeypatch
     assert later.token_ids == solo[0].token_ids
 
 
-def test_a_cancelled_request_is_not_drafted(llm):
-    """``_draft_shared`` leaves out cancelled requests: their draft caches stay as they were."""
-    scheduler = Scheduler(llm, method="draft_model", max_concurrency=3)
-    try:
-        loop = asyncio.new_event_loop()
-        active = []
-        for ids in _prompts(llm)[:3]:
-            params = SamplingParams(max_tokens=20, ignore_eos=True)
-            gen = llm.engine.begin(ids, params, llm.new_drafter("draft_model", 64), scheduler.spec,
-                                   llm.target.new_cache(64))
-            for chunk in gen.prefill_chunks():
-                logits = llm.target.forward(chunk, gen.cache, last_only=True)
-            gen.start(logits)
-            active.append((Job(ids, params, loop), gen))
-        active[1][0].cancel()
-        still, proposals = scheduler._draft_shared(active)
-        assert [job for job, _ in still] == [job for job, _ in active]
-        assert set(proposals) == {active[0][0], active[2][0]}
-        assert all(proposals[job].k == K for job in proposals)
-        assert active[1][1].drafter.cache.length == 0
-        loop.close()
-    finally:
-        scheduler.close()
+def test_combined_and_tree_requests_share_the_draft_models_forwards(tiny_pair, monkeypatch):
+    """Drafters that wrap the draft model (combined, tree) draft in the same forwards as plain
+    draft_model requests: no step runs more draft forwards than its deepest draft needs."""
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), method="draft_model", num_speculative_tokens=K,
+              adaptive=False, draft_confidence=0.0, max_seq_len=256, progress=False)
+    prompts = _prompts(llm)[1:]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    methods = ["draft_model", "combined", "tree"]
+    solo = [llm.engine.generate(p, params, llm.new_drafter(m), spec_k(K, adaptive=False)) for p, m in zip(prompts, methods)]
+    calls = _log_calls(monkeypatch, llm)
+    batch = Batch(llm.target, FixedK())
+    for p, m in zip(prompts, methods):
+        batch.add(llm.engine.begin(p, params, llm.new_drafter(m, 128), spec_k(K, adaptive=False),
+                                   llm.target.new_cache(128)))
+    outputs = {}
+    while len(batch):
+        outcome = batch.step()
+        assert not outcome.failed
+        outputs.update({id(m): e.output for m, e in outcome.events if e.output is not None})
+    assert sorted(o.token_ids for o in outputs.values()) == sorted(o.token_ids for o in solo)
+    assert ("draft", 3) in calls  # one forward served all three drafters
+
+
+def test_a_cancelled_request_leaves_before_drafting(llm):
+    """A cancelled request leaves the batch at the next step without drafting: its draft cache
+    stays as it was; the others draft K each."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    batch, cancelled = Batch(llm.target, FixedK()), [False] * 3
+    members = [batch.add(llm.engine.begin(ids, params, llm.new_drafter("draft_model", 64), spec_k(K, adaptive=False),
+                                          llm.target.new_cache(64)), cancelled=lambda i=i: cancelled[i])
+               for i, ids in enumerate(_prompts(llm)[:3])]
+    while any(m.prefilling for m in members):
+        batch.step()
+    before = members[1].gen.drafter.cache.length
+    cancelled[1] = True
+    outcome = batch.step()
+    assert outcome.left == [members[1]] and not outcome.failed and not outcome.events[0][0] is members[1]
+    assert members[1].gen.drafter.cache.length == before
+    assert [m.gen.proposal.k for m in (members[0], members[2])] == [K, K]

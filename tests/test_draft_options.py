@@ -1,4 +1,4 @@
-"""Adaptive draft length, early-stopping drafts and int8 drafts never change the output."""
+"""Fixed draft lengths, early-stopping drafts and int8 drafts never change the output."""
 
 from __future__ import annotations
 
@@ -6,30 +6,11 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.engine.draft_length import DraftLength
 from specdecode.errors import InvalidConfigError
 from specdecode.models.decoder import Decoder
 from specdecode.models.quant import linear_int8_fbgemm, pack_int8
 
 PROMPTS = ["def f(x): return x + 1\ndef g(", "class A:\n    def __init__(self", "abc abc abc abd"]
-
-
-def test_draft_length_schedule():
-    dl = DraftLength(6)
-    assert dl.k == 6
-    dl.update(6, 2)
-    assert dl.k == 5
-    for _ in range(10):
-        dl.update(dl.k, 0)
-    assert dl.k == 1
-    dl.update(1, 1)
-    assert dl.k == 3
-    dl.update(3, 3)
-    dl.update(5, 5)
-    assert dl.k == 6  # capped at k_max
-    fixed = DraftLength(4, adaptive=False)
-    fixed.update(4, 0)
-    assert fixed.k == 4
 
 
 @pytest.fixture(scope="module")

@@ -41,11 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests generating at once (default: %(default)s)")
     p.add_argument("--k-by-load", default=None, metavar="START-END:K,...|auto",
                    help="cap K by the number of requests running (prompts still prefilling included), e.g. "
-                        "1-2:12,3-4:6,5-:0 (K=12 for one or two, 6 for three or four, plain decoding from five; a "
-                        "count not listed keeps -k), or 'auto': before each step pick the K with the most expected "
-                        "tokens per second from the measured verify and draft times, the draft model's catch-up "
-                        "and the acceptance; where speculation does not pay it stops drafting (default: off, "
-                        "every step drafts up to -k)")
+                        "1-2:12,3-4:6,5-:0 (at most 12 drafts for one or two, 6 for three or four, plain decoding "
+                        "from five; a count not listed keeps -k), over the speculation policy, which before each "
+                        "step picks every request's K (0 included) for the most expected tokens per second from "
+                        "the measured verify and draft costs and the acceptance; 'auto' or nothing: the policy "
+                        "alone (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait beyond those; more get HTTP 429 (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,

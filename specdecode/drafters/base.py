@@ -4,18 +4,64 @@ A drafter sees the committed tokens of one sequence and proposes up to ``k`` con
 engine verifies them with the target and tells the drafter how many were kept, so a stateful
 drafter (one with its own KV cache) can roll back. Drafters declare what they need; the engine
 never branches on a method's name.
+
+A drafter that runs a model of its own writes its drafting as a coroutine (``drafting``) that
+yields each forward it needs as a ``ModelCall`` and receives the logits. The engine's step loop
+gathers the calls of every request at once and runs the calls on one model as one batched
+forward, so requests drafting with one draft model (``draft_model``, ``combined``, ``tree``,
+``self``) read its weights once per draft step, whatever drafter wraps it; alone, ``run_alone``
+answers each call with a forward of its own.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 import torch
 from torch import Tensor
 
 from specdecode.sample.sampling import logits_to_probs, sample
 from specdecode.sequence import DraftProposal, SequenceState
+
+if TYPE_CHECKING:
+    from specdecode.models.cache import KVCache
+    from specdecode.models.decoder import Decoder
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCall:
+    """One forward a drafter needs from its model: ``tokens`` [n] run on ``cache``; the answer
+    is the logits ([1, V] with ``last_only``, else [n, V])."""
+
+    model: Decoder
+    tokens: Tensor
+    cache: KVCache
+    last_only: bool = False
+
+    def run(self) -> Tensor:
+        return self.model.forward(self.tokens, self.cache, last_only=self.last_only)
+
+
+# A call that feeds more than this many tokens is a catch-up (a prompt, or the tokens of steps
+# drafted without the model): a prefill, which runs alone on the model's prefill path rather than
+# pushing other requests' few rows off the decode kernels (e.g. an int4 draft's).
+CATCH_UP_TOKENS = 4
+
+# A drafting coroutine: yields the model calls it needs, is sent their logits, returns the proposal.
+Drafting: TypeAlias = Generator[ModelCall, Tensor, DraftProposal]
+
+
+def run_alone(drafting: Drafting) -> DraftProposal:
+    """Drive one drafting coroutine, each model call a forward of its own."""
+    try:
+        call = next(drafting)
+        while True:
+            call = drafting.send(call.run())
+    except StopIteration as done:
+        return done.value
 
 
 def pick_from_subvocabulary(logits: Tensor, target_ids: Tensor, vocab_size: int, seq: SequenceState,
@@ -69,7 +115,14 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
-        """Up to ``k`` draft tokens continuing ``seq.token_ids``: the one hook every drafter defines."""
+        """Up to ``k`` draft tokens continuing ``seq.token_ids``: the one hook every drafter defines
+        (a drafter with a model defines it as ``run_alone(self.drafting(seq, k))``)."""
+
+    def drafting(self, seq: SequenceState, k: int) -> Drafting:
+        """``propose`` as a coroutine of model calls (see the module docstring), which the step
+        loop runs together with other requests' calls. The default makes no calls."""
+        return self.propose(seq, k)
+        yield  # a generator function: the proposal is its return value
 
     def observe(self, logits: Tensor) -> None:
         """The verify forward's logits [rows, V], before ``accept`` (drafters that learn from them)."""
@@ -87,12 +140,8 @@ class Drafter(ABC):
     def catch_up(self, seq: SequenceState) -> int:
         """Committed tokens this drafter must run through its own model before it can draft again,
         beyond the few a draft step feeds anyway: a prefill's worth after the prompt or a stretch
-        of steps without drafts. A server under load weighs this before asking for drafts."""
+        of steps without drafts. The speculation policy weighs this before asking for drafts."""
         return 0
-
-    def pop_catch_up(self) -> tuple[int, float] | None:
-        """The last catch-up this drafter ran since asked: (tokens, seconds), or None."""
-        return None
 
     def finish(self, seq: SequenceState) -> None:
         """The request ended (drafters that learn from whole requests)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Drafting, run_alone
 from specdecode.sequence import DraftProposal, SequenceState
 from specdecode.drafters.cross_vocab import CrossVocabDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -30,14 +30,14 @@ class CombinedDrafter(Drafter):
         self.draft.begin(seq)
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
+        return run_alone(self.drafting(seq, k))
+
+    def drafting(self, seq: SequenceState, k: int) -> Drafting:
         proposal = self.ngram.propose(seq, k)
-        return proposal if proposal.k else self.draft.propose(seq, k)
+        return proposal if proposal.k else (yield from self.draft.drafting(seq, k))
 
     def catch_up(self, seq: SequenceState) -> int:
         return self.draft.catch_up(seq)
-
-    def pop_catch_up(self) -> tuple[int, float] | None:
-        return self.draft.pop_catch_up()
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         # The draft model rolls back only what it drafted itself this step (possibly nothing).

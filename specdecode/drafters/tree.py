@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Drafting, run_alone
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
@@ -77,6 +77,9 @@ class TreeDrafter(Drafter):
         self.ngram.begin(seq)
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
+        return run_alone(self.drafting(seq, k))
+
+    def drafting(self, seq: SequenceState, k: int) -> Drafting:
         seconds: list[int] = []
 
         def second_choice(logits: Tensor) -> None:  # [1, V]
@@ -85,7 +88,7 @@ class TreeDrafter(Drafter):
                 # A sure draft's runner-up is rarely right: no row for it (-1: no sibling here).
                 seconds.append(int(top.indices[1]) if float(top.values[0]) < self.sibling_below else -1)
 
-        chain = self.draft.draft(seq, k, argmax=True, on_step=second_choice).tokens.tolist()
+        chain = (yield from self.draft.drafting(seq, k, argmax=True, on_step=second_choice)).tokens.tolist()
         self._chain, self._committed = chain, len(seq.token_ids)
         trie = TokenTrie()
         trie.insert(chain, self.max_nodes)
@@ -98,9 +101,6 @@ class TreeDrafter(Drafter):
 
     def catch_up(self, seq: SequenceState) -> int:
         return self.draft.catch_up(seq)
-
-    def pop_catch_up(self) -> tuple[int, float] | None:
-        return self.draft.pop_catch_up()
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         # The draft model cached its own chain; keep the part of it that was committed.

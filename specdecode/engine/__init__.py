@@ -1,2 +1,4 @@
-"""Decoding one or many requests: ``generation`` (a request's propose -> verify -> commit state
-and the solo loop), ``draft_length`` (adaptive K), ``stops`` (stop strings and EOS), ``stats``."""
+"""Decoding one or many requests: ``engine`` (the front: a target, its cache and policy),
+``batch`` (the one step loop), ``generation`` (a request's propose -> verify -> commit state),
+``drafting`` (every request's drafts at once), ``policy`` and ``costs`` (how far to draft),
+``stops`` (stop strings and EOS), ``stats``."""

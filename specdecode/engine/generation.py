@@ -9,24 +9,23 @@ K = 0, so plain decoding and speculative decoding share every line of the target
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from specdecode.sample.grammar import GrammarCompiler, TokenGrammar, apply_mask
+from specdecode.sample.grammar import TokenGrammar, apply_mask
 from specdecode.sample.logprobs import TokenLogprob, token_logprobs
 from specdecode.sample.synthetic import verify_synthetic
 from specdecode.sample.verify import verify
 from specdecode.models.cache import KVCache
 from specdecode.config import SpecConfig
 from specdecode.params import MAX_SPECULATIVE_TOKENS, SamplingParams
-from specdecode.engine.draft_length import DraftLength
+from specdecode.engine.costs import RequestSpeculation
 from specdecode.drafters.base import Drafter
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
-from specdecode.errors import NonFiniteLogitsError, PromptTooLongError
-from specdecode.models.decoder import Decoder, HiddenCapture
+from specdecode.errors import NonFiniteLogitsError
+from specdecode.models.decoder import HiddenCapture
 from specdecode.sample.sampling import greedy, logits_to_probs, sample
 from specdecode.engine.stats import RequestStats
 from specdecode.engine.stops import StopChecker
@@ -48,7 +47,6 @@ class GenerationOutput:
 # a long prompt stalls them for one chunk rather than for its whole prefill (docs/SERVING.md, "Long
 # prompts"); 256 rows keep the kernels at full speed.
 PREFILL_CHUNK = 256
-PLAIN = SpecConfig()  # the default settings; with no drafter, decoding is plain
 
 @dataclass(frozen=True, slots=True)
 class StreamEvent:
@@ -61,12 +59,12 @@ class StreamEvent:
 class Generation:
     """One request's decoding state, advanced one target forward at a time.
 
-    The engine loop and the server's batch scheduler drive it the same way: run the target on
-    each of ``prefill_chunks()`` in turn, pass the last one's logits to ``start``; then, until
-    ``finished``, run the target
-    on ``plan()`` (the last committed token plus this step's drafts) and pass the logits to
-    ``commit``; then ``finish`` returns the last event. Who owns the forward decides whether it
-    is shared with other requests; the token decisions here never depend on it.
+    The step loop (``batch.py``) drives it: run the target on each of ``prefill_chunks()`` in
+    turn, pass the last one's logits to ``start``; then, until ``finished``, draft (when
+    ``drafts``), run the target on ``plan(proposal)`` (the last committed token plus this step's
+    drafts) and pass the logits to ``commit``; then ``finish`` returns the last event. The loop
+    decides whether a forward is shared with other requests; the token decisions here never
+    depend on it.
     """
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, spec: SpecConfig,
@@ -77,16 +75,18 @@ class Generation:
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen, grammar)
-        # A drafter may size its own proposals (a lookahead window's depth is not a draft length).
-        self.draft_length = DraftLength(spec.num_speculative_tokens,
-                                        spec.adaptive and (drafter is None or drafter.adapts_length))
+        self.k_max = spec.num_speculative_tokens
+        # The policy chooses K unless told not to, or the drafter sizes its own proposals (a
+        # lookahead window's depth is not a draft length).
+        self.adaptive = spec.adaptive and (drafter is None or drafter.adapts_length)
+        self.speculation = RequestSpeculation()  # what the speculation policy learns of this request
         self.stops = StopChecker(tokenizer, params)
         self.synthetic = spec.synthetic_acceptance  # None: the exact rules (see sample/synthetic.py)
         self.proposal = EMPTY_PROPOSAL
-        self.k_cap: int | None = None  # a per-step limit on K set by the server under load (None: none)
         self.grammar = grammar  # structured output: masks every position (sample/grammar.py)
         self.forced_step = False  # this step's drafts are tokens the grammar forced, not the drafter's
         self.pruned = False  # the grammar cut some of this step's drafts
+        self.accepted = 0  # drafts the last step kept
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # What every target forward of this request captures for the drafter (None: nothing).
         self.capture = (HiddenCapture(drafter.hidden_layers)
@@ -132,49 +132,43 @@ class Generation:
             self.logprobs += logprobs
         return StreamEvent(self.stops.take_text(), new, logprobs=logprobs)
 
-    def draft_budget(self, capped: bool = True) -> int:
-        """How many drafts the drafter may propose this step (0: none, the step is plain).
+    @property
+    def drafts(self) -> bool:
+        """Whether this request's drafter may draft this step: it has one, there is room for a
+        draft, and the grammar forces none (forced drafts need no drafter)."""
+        return self.drafter is not None and self.draft_room() > 0 and not self.forced_drafts().k
 
-        Drafts plus the one token every step adds must fit ``max_tokens`` and the context, as in
-        plain decoding; ``k_cap`` (set by a server under load) lowers K for this step only. A step
-        whose drafts the grammar forces needs none from the drafter. ``capped=False``: what it
-        could propose without ``k_cap`` (a server reads that to choose the cap).
-        """
-        return 0 if self._forced(self._budget(capped=False)).k else self._budget(capped)
-
-    def _budget(self, capped: bool = True) -> int:
-        """``capped=False``: without ``k_cap``, for the grammar's forced drafts, which are kept for
-        sure and cost no draft forward, so they pay at any load."""
+    def draft_room(self) -> int:
+        """The most drafts this step can carry: drafts plus the one token every step adds must fit
+        ``max_tokens`` and the context, as in plain decoding."""
         seq, params = self.seq, self.seq.params
-        k = self.draft_length.k if self.k_cap is None or not capped else min(self.draft_length.k, self.k_cap)
-        return max(0, min(k, params.max_tokens - seq.num_generated - 1, self.max_seq_len - len(seq.token_ids) - 1))
+        return max(0, min(params.max_tokens - seq.num_generated - 1, self.max_seq_len - len(seq.token_ids) - 1))
 
-    def _forced(self, budget: int) -> DraftProposal:
-        """The tokens the grammar forces next (at most ``budget``), as a chain of point-mass drafts."""
-        if self.grammar is None or not budget:
+    def forced_drafts(self) -> DraftProposal:
+        """The tokens the grammar forces next (as many as fit), as a chain of point-mass drafts:
+        kept for sure and drafted at no cost, so they ride along whatever K the policy chose."""
+        room = self.draft_room()
+        if self.grammar is None or not room:
             return EMPTY_PROPOSAL
-        forced = self.grammar.forced()[:budget]
+        forced = self.grammar.forced()[:room]
         return DraftProposal(torch.tensor(forced, dtype=torch.long), None) if forced else EMPTY_PROPOSAL
 
-    def plan(self, proposal: DraftProposal | None = None) -> Tensor | None:
-        """Draft this step; return the verify inputs (last token + drafts), or None when the
-        context is full (the request then finishes with ``length``).
+    def plan(self, proposal: DraftProposal = EMPTY_PROPOSAL, draft_s: float = 0.0) -> Tensor | None:
+        """The verify inputs (last token + this step's drafts), or None when the context is full
+        (the request then finishes with ``length``).
 
-        ``proposal``: drafts already made for this step by a caller that drafted for several
-        requests at once (at most ``draft_budget()`` of them); None asks the drafter here.
+        ``proposal``: the drafter's drafts for this step (the step loop drafts for every request
+        at once), taking ``draft_s``; tokens the grammar forces replace them.
         """
         seq = self.seq
+        self.stats.draft_s += draft_s
         if len(seq.token_ids) >= self.max_seq_len:
             self.stops.mark_length()
             return None
-        t0 = time.perf_counter()
-        budget = self._budget()
-        forced = self._forced(self._budget(capped=False))
+        forced = self.forced_drafts()
         self.forced_step = bool(forced.k)
-        if forced.k:  # the grammar's own drafts: the drafter sits this step out
+        if forced.k:  # the grammar's own drafts: the drafter sat this step out
             proposal = forced
-        elif proposal is None:
-            proposal = self.drafter.propose(seq, budget) if self.drafter and budget > 0 else EMPTY_PROPOSAL
         self.pruned = False
         if self.grammar is not None:
             drafted, proposal = proposal.k, self.grammar.prune(proposal)
@@ -183,7 +177,6 @@ class Generation:
         # verify call the invariant kernels serve.
         room = min(MAX_SPECULATIVE_TOKENS, self.cache.capacity - self.cache.length - 1)
         self.proposal = proposal.truncated(room)
-        self.stats.draft_s += time.perf_counter() - t0
         return torch.cat([torch.tensor(seq.token_ids[-1:]), self.proposal.tokens])
 
     @property
@@ -207,9 +200,11 @@ class Generation:
         self.cache.commit(result, proposal.k + 1)
         stats.verify_s += forward_s
         stats.target_steps += 1
+        self.accepted = result.num_accepted
         if proposal.k and not self.forced_step:  # the drafter's acceptance, not the grammar's
             stats.record_draft(proposal.k, result.num_accepted, proposal.depth)
-            self.draft_length.update(proposal.depth, result.num_accepted)
+        elif not proposal.k:
+            stats.plain_steps += 1
         new = self.stops.push(seq, result.tokens)
         kept = result.rows if result.rows is not None else list(range(result.num_accepted + 1))
         if self.drafter is not None and not self.finished:
@@ -240,59 +235,6 @@ class Generation:
             stats=self.stats,
         )
         return StreamEvent(self.stops.take_text(final=True), [], output)
-
-
-class Engine:
-    """Runs requests one at a time against one target model, reusing one preallocated KV cache."""
-
-    def __init__(self, target: Decoder, tokenizer: Tokenizer, max_seq_len: int) -> None:
-        self.target = target
-        self.tokenizer = tokenizer
-        self.max_seq_len = min(max_seq_len, target.max_context)
-        self.cache = target.new_cache(self.max_seq_len)
-        self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size)
-
-    def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise PromptTooLongError("the prompt is empty; give at least one token")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len} "
-                "including at least one new token; shorten the prompt or raise max_seq_len"
-            )
-
-    def begin(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
-              spec: SpecConfig = PLAIN, cache: KVCache | None = None) -> Generation:
-        """A checked new request on ``cache`` (default: the engine's own). ``drafter`` None is
-        plain decoding; ``spec`` gives the draft length (K, and whether it adapts to acceptance:
-        ``draft_length.py``); its method was already used to build ``drafter``."""
-        self.check_prompt(prompt_ids)
-        grammar = None if params.constraint is None else self.grammars.matcher(params.constraint)
-        return Generation(prompt_ids, params, drafter, spec, self.tokenizer,
-                          cache if cache is not None else self.cache, self.max_seq_len, grammar)
-
-    def stream(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
-               spec: SpecConfig = PLAIN) -> Iterator[StreamEvent]:
-        """Generate for one prompt, yielding each step's newly final text (arguments as ``begin``)."""
-        gen = self.begin(prompt_ids, params, drafter, spec)
-        for chunk in gen.prefill_chunks():
-            logits = self.target.forward(chunk, self.cache, last_only=True, capture=gen.capture)
-        yield gen.start(logits)
-        while not gen.finished:
-            inputs = gen.plan()
-            if inputs is None:
-                break
-            t0 = time.perf_counter()
-            logits = self.target.forward(inputs, self.cache, tree=gen.tree, capture=gen.capture)  # [K+1, V]
-            yield gen.commit(logits, time.perf_counter() - t0)
-        yield gen.finish()
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
-                 spec: SpecConfig = PLAIN) -> GenerationOutput:
-        for event in self.stream(prompt_ids, params, drafter, spec):
-            if event.output is not None:
-                return event.output
-        raise RuntimeError("engine stream ended without an output")  # unreachable
 
 
 def _check_finite(logits: Tensor) -> None:

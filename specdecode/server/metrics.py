@@ -52,8 +52,8 @@ class ServerMetrics:
         running.set_function(lambda: load.running)
         waiting = Gauge("specdecode_num_requests_waiting", "Requests queued, not yet generating.", registry=r)
         waiting.set_function(lambda: load.waiting)
-        step_k = Gauge("specdecode_k_by_load", "The K that --k-by-load allowed the last decode step "
-                       "(the server's K when --k-by-load is off).", registry=r)
+        step_k = Gauge("specdecode_k_by_load", "The most drafts the speculation policy (capped by --k-by-load) "
+                       "allowed a request in the last decode step (the server's K before any step).", registry=r)
         step_k.set_function(lambda: k if load.step_k is None else load.step_k)
         self.ttft = Histogram("specdecode_time_to_first_token_seconds",
                               "From submission (queue wait included) to the first token.",

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from specdecode.params import SamplingParams
-from specdecode.engine.generation import Engine
+from specdecode.engine.engine import Engine
 from specdecode.models import quant
 from specdecode.models.decoder import Decoder
 from specdecode.tokenizer import Tokenizer

@@ -1,0 +1,193 @@
+"""The step loop: every path that decodes (``LLM.generate``, the CLI, the bench, the server) runs
+its requests through a ``Batch``; a solo request is a batch of one.
+
+One ``step()``: run the next prefill chunk of the oldest request still prefilling (a long prompt
+delays the others by one chunk, never by its whole prefill); ask the speculation policy for each
+decoding request's draft length; draft for all of them at once (``drafting.py``: requests on one
+draft model share its forwards, whatever drafter wraps it); verify every request's drafts in ONE
+target forward (``Decoder.forward_batch``: the rows share each pass over the weights, which is
+what a decode step costs on a CPU; acceptance stays ragged per request); commit; report the
+step's measured costs to the policy. The target's kernels are batch-invariant, so each request
+gets exactly the tokens it would get alone.
+
+A request that fails (a bad grammar mid-way, NaN logits) fails alone; a failed shared forward
+fails the requests in it. A cancelled request leaves at the next step, its cache freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from specdecode.engine.costs import RequestOutcome, StepTimes
+from specdecode.engine.drafting import DraftWork, draft_all
+from specdecode.engine.generation import Generation, StreamEvent
+from specdecode.engine.policy import DraftRequest, SpeculationPolicy
+from specdecode.models.decoder import Decoder
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal
+
+HORIZON = 256  # most tokens a request is counted on to make: max_tokens bounds it, EOS often comes sooner
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(eq=False)
+class Member:
+    """One request in the batch. ``tag``: the caller's handle for it (a server's job)."""
+
+    gen: Generation
+    tag: Any = None
+    cancelled: Callable[[], bool] = _never
+    chunks: list[Tensor] = field(default_factory=list)  # prefill chunks not run yet
+    failed: BaseException | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.chunks)
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What a step produced: events to deliver, requests that failed, and every request that
+    left the batch (finished, failed or cancelled), in that order of handling."""
+
+    events: list[tuple[Member, StreamEvent]] = field(default_factory=list)
+    failed: list[tuple[Member, BaseException]] = field(default_factory=list)
+    left: list[Member] = field(default_factory=list)
+
+
+class Batch:
+    """Requests advanced together, one target forward per step."""
+
+    def __init__(self, target: Decoder, policy: SpeculationPolicy, cap: Callable[[int], int | None] | None = None) -> None:
+        """``cap``: the most drafts per request for a number of running requests (a server's
+        ``--k-by-load`` table), over whatever the policy chooses."""
+        self.target, self.policy, self.cap = target, policy, cap
+        self.members: list[Member] = []
+        self.last_k = 0  # the most drafts any request was allowed in the last step (a server gauge)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, gen: Generation, tag: Any = None, cancelled: Callable[[], bool] = _never) -> Member:
+        member = Member(gen, tag, cancelled, gen.prefill_chunks())
+        self.members.append(member)
+        return member
+
+    def step(self) -> StepOutcome:
+        out = StepOutcome()
+        for m in [m for m in self.members if m.cancelled()]:
+            self._leave(m, out)
+        prefilling = [m for m in self.members if m.prefilling]
+        if prefilling:
+            self._prefill_chunk(prefilling[0], out)
+        decoding = [m for m in self.members if not m.prefilling and m.failed is None]
+        if decoding:
+            self._decode(decoding, len(self.members), out)
+        return out
+
+    def _leave(self, m: Member, out: StepOutcome, error: BaseException | None = None) -> None:
+        if error is not None:
+            m.failed = error
+            out.failed.append((m, error))
+        if m in self.members:
+            self.members.remove(m)
+            out.left.append(m)
+
+    def _prefill_chunk(self, m: Member, out: StepOutcome) -> None:
+        gen = m.gen
+        try:
+            logits = self.target.forward(m.chunks.pop(0), gen.cache, last_only=True, capture=gen.capture)
+            if m.chunks:
+                return
+            out.events.append((m, gen.start(logits)))
+            if gen.finished:
+                out.events.append((m, gen.finish()))
+                self._leave(m, out)
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            self._leave(m, out, exc)
+
+    def _decode(self, decoding: list[Member], running: int, out: StepOutcome) -> None:
+        proposals, works = self._draft(decoding, running, out)
+        catch_ups = [c for work in works.values() for c in work.catch_ups]
+        batch: list[tuple[Member, Tensor]] = []
+        for m in decoding:
+            if m.failed is not None:
+                continue
+            try:
+                work = works.get(m)
+                inputs = m.gen.plan(proposals.get(m, EMPTY_PROPOSAL), work.seconds if work else 0.0)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                self._leave(m, out, exc)
+                continue
+            if inputs is None:  # the context is full
+                out.events.append((m, m.gen.finish()))
+                self._leave(m, out)
+            else:
+                batch.append((m, inputs))
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        try:
+            logits = self._verify(batch)
+        except Exception as exc:  # noqa: BLE001 - a bug, not user input: fails these requests
+            for m, _ in batch:
+                self._leave(m, out, exc)
+            return
+        forward_s = time.perf_counter() - t0
+        step = StepTimes(sum(int(inputs.shape[0]) for _, inputs in batch), forward_s, catch_ups=catch_ups)
+        for (m, _), rows in zip(batch, logits):
+            gen = m.gen
+            try:
+                out.events.append((m, gen.commit(rows, forward_s)))
+                if not gen.forced_step and gen.drafter is not None:
+                    work = works.get(m)
+                    step.requests.append(RequestOutcome(gen.drafter.name, gen.speculation, gen.proposal.depth,
+                                                        gen.accepted, work.seconds - work.catch_up_s if work else 0.0))
+                if gen.finished:
+                    out.events.append((m, gen.finish()))
+                    self._leave(m, out)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                self._leave(m, out, exc)
+        self.policy.record(step)
+
+    def _verify(self, batch: list[tuple[Member, Tensor]]) -> list[Tensor]:
+        """ONE target forward over every request's inputs (a lone request takes ``forward``)."""
+        if len(batch) == 1:
+            (m, inputs), = batch
+            return [self.target.forward(inputs, m.gen.cache, tree=m.gen.tree, capture=m.gen.capture)]
+        return self.target.forward_batch([(inputs, m.gen.cache) for m, inputs in batch],
+                                         trees=[m.gen.tree for m, _ in batch],
+                                         captures=[m.gen.capture for m, _ in batch])
+
+    def _draft(self, decoding: list[Member], running: int, out: StepOutcome
+               ) -> tuple[dict[Member, DraftProposal], dict[Member, DraftWork]]:
+        """This step's drafts for ``decoding``, at the lengths the policy chose: the proposals, and
+        each drafting request's work (its times and catch-ups)."""
+        drafting = [m for m in decoding if m.gen.drafts]
+        ks = self.policy.draft_lengths([_draft_request(m.gen) for m in drafting], running, self.cap) if drafting else []
+        self.last_k = max(ks, default=0)
+        works: dict[Member, DraftWork] = {}
+        for m, k in zip(drafting, ks):
+            if k > 0:
+                works[m] = DraftWork(m.gen.drafter.drafting(m.gen.seq, k))
+        draft_all(list(works.values()))
+        proposals = {}
+        for m, work in works.items():
+            if work.error is not None:
+                self._leave(m, out, work.error)
+            else:
+                proposals[m] = work.proposal
+        return proposals, works
+
+
+def _draft_request(gen: Generation) -> DraftRequest:
+    seq = gen.seq
+    return DraftRequest(gen.drafter.name, gen.k_max, gen.draft_room(), gen.adaptive, gen.drafter.catch_up(seq),
+                        min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation)

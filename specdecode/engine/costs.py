@@ -1,0 +1,114 @@
+"""What steps cost on this machine and model, measured while running.
+
+The speculation policy (``policy.py``) weighs drafts against these. A verify forward's time grows
+with its rows once the matmuls turn compute-bound (on a 2-core CPU each extra row of a quantized
+target costs a share of a whole step), so it is kept by row count and read through a line
+fitted to the row counts measured: ``a + b (rows - 1)``. Drafting is kept per method as seconds
+per drafted token (free drafters measure near 0), and a draft model's catch-up (feeding tokens
+it missed, a prefill) as seconds per token. Each estimate is a running mean, so it follows the
+machine's load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMA = 0.2  # weight of a new measurement in its running mean
+PROBE_AFTER = 16  # steps at K = 0 before a request re-measures its acceptance (policy.py)
+# Before two row counts are measured, an extra row is taken to cost this share of a one-row
+# step: about what the quantized target's extra rows cost on AVX2 (docs/GGUF_NATIVE.md).
+ROW_SHARE_PRIOR = 0.35
+
+
+@dataclass(slots=True)
+class RequestSpeculation:
+    """What the speculation policy learned about one request: its acceptance and its steps
+    without drafts."""
+
+    acceptance: float | None = None  # per draft, given the ones before survived; None: not measured
+    idle: int = 0  # steps in a row at K = 0
+    probe_after: int = PROBE_AFTER
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """One request's part of a step: its method, drafts decided and kept, drafting time."""
+
+    method: str
+    state: RequestSpeculation
+    drafted: int = 0  # positions drafted (a tree's depth)
+    accepted: int = 0
+    draft_s: float = 0.0  # drafting time charged to this request, catch-ups excluded
+
+    @property
+    def decided(self) -> int:
+        """Drafts the acceptance rule decided on: the kept ones and the first refused one."""
+        return self.accepted + int(self.accepted < self.drafted)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """One step as measured: its verify rows and time, catch-ups run, and each request's part."""
+
+    rows: int
+    verify_s: float
+    requests: list[RequestOutcome] = field(default_factory=list)
+    catch_ups: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per catch-up forward
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Running estimates of the costs a step is made of."""
+
+    verify_by_rows: dict[int, float] = field(default_factory=dict)
+    draft_token_s: dict[str, float] = field(default_factory=dict)  # by method
+    catch_up_token_s: float | None = None
+
+    @property
+    def verify_measured(self) -> bool:
+        return bool(self.verify_by_rows)
+
+    def verify(self, rows: int) -> float:
+        """Seconds of a verify forward over ``rows`` rows (0.0 before any was measured)."""
+        if rows in self.verify_by_rows:
+            return self.verify_by_rows[rows]
+        a, b = self._line()
+        return max(a + b * (rows - 1), 0.0)
+
+    def _line(self) -> tuple[float, float]:
+        """Least squares ``a + b (rows - 1)`` over the measured row counts (equal weights); one
+        count measured: the prior share per row."""
+        points = sorted(self.verify_by_rows.items())
+        if not points:
+            return 0.0, 0.0
+        if len(points) == 1:
+            rows, s = points[0]
+            a = s / (1 + ROW_SHARE_PRIOR * (rows - 1))
+            return a, ROW_SHARE_PRIOR * a
+        n = len(points)
+        mx = sum(r - 1 for r, _ in points) / n
+        my = sum(s for _, s in points) / n
+        sxx = sum((r - 1 - mx) ** 2 for r, _ in points)
+        b = max(sum((r - 1 - mx) * (s - my) for r, s in points) / sxx, 0.0)
+        return my - b * mx, b
+
+    def draft_token(self, method: str) -> float:
+        """Seconds per drafted token of ``method`` (0.0 until measured: optimistic, so it drafts
+        and gets measured)."""
+        return self.draft_token_s.get(method, 0.0)
+
+    def catch_up(self, tokens: int) -> float:
+        return tokens * (self.catch_up_token_s or 0.0)
+
+    def record(self, step: StepTimes) -> None:
+        self.verify_by_rows[step.rows] = _ema(self.verify_by_rows.get(step.rows), step.verify_s)
+        for tokens, seconds in step.catch_ups:
+            self.catch_up_token_s = _ema(self.catch_up_token_s, seconds / tokens)
+        for outcome in step.requests:
+            if outcome.drafted:
+                per_token = outcome.draft_s / outcome.drafted
+                self.draft_token_s[outcome.method] = _ema(self.draft_token_s.get(outcome.method), per_token)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new

@@ -1,0 +1,175 @@
+"""How far each request drafts at each step: the speculation policy.
+
+One policy object decides for every path (``LLM.generate``, ``stream`` and ``chat``, the CLI, the
+bench, the server): before each step the step loop (``engine/batch.py``) asks it for every
+decoding request's draft length, 0 included (a plain step), and after the step tells it what the
+step cost. Exactness never depends on the choice; only speed does.
+
+``CostModel`` (the default) maximises the expected tokens per second of the step's requests from
+costs measured while running (``costs.py``): the verify forward's time by total rows, each
+method's seconds per drafted token, a draft model's catch-up, and each request's acceptance (the
+chance that a draft survives given that the ones before it did). A request's j-th draft adds
+a^j expected tokens and costs its draft time plus one verify row. Drafts are added one at a
+time, best gain per second first, while each adds more tokens per second than the step makes
+at its current rate: so a request drafts nothing when not even its first draft repays itself (a
+plain step), and a step of many requests, whose extra rows cost integer compute, drafts less.
+A request at K = 0 measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
+once to re-measure (the wait doubles while drafting stays off).
+
+``FixedK`` drafts ``num_speculative_tokens`` every step (``adaptive=False``: for experiments).
+Drafters that size their own proposals (``adapts_length = False``, a lookahead window) always
+get their K. A server's ``--k-by-load`` table caps whichever policy runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from specdecode.engine.costs import PROBE_AFTER, RequestSpeculation, StepCosts, StepTimes
+
+PROBE_AFTER_MAX = 1024
+PROBE_K = 2
+# A draft must promise this much more than the step's current rate: the model leaves out what a
+# step spends beyond its forwards (sampling each row, bookkeeping).
+MARGIN = 1.05
+# Acceptance a method starts from before any of its drafts were verified: optimistic, so a new
+# method drafts and gets measured; its requests' measured rates replace it within a few steps.
+PRIOR_ACCEPTANCE = 0.8
+REQUEST_EMA = 0.3  # weight of one step's drafts in its request's acceptance
+METHOD_EMA = 0.05  # weight of one request-step in its method's acceptance (new requests start there)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """One decoding request as the policy sees it before a step.
+
+    ``method``: its drafter's name; ``k_max``: its most drafts per step; ``room``: the most this
+    step allows (``max_tokens`` and the context); ``adaptive``: the policy chooses its K (else
+    ``k_max``); ``catch_up``: tokens its drafter must feed its own model before drafting;
+    ``remaining``: tokens the request may still make; ``state``: what the policy learned of it.
+    """
+
+    method: str
+    k_max: int
+    room: int
+    adaptive: bool = True
+    catch_up: int = 0
+    remaining: int = 256
+    state: RequestSpeculation = field(default_factory=RequestSpeculation)
+
+    @property
+    def limit(self) -> int:
+        return max(0, min(self.k_max, self.room))
+
+
+class SpeculationPolicy(ABC):
+    """Chooses each request's draft length for a step and learns from what steps cost."""
+
+    @abstractmethod
+    def choose(self, requests: Sequence[DraftRequest]) -> list[int]:
+        """Each request's draft length for the coming step (0: a plain step for it)."""
+
+    def draft_lengths(self, requests: Sequence[DraftRequest], running: int | None = None,
+                      cap: Callable[[int], int | None] | None = None) -> list[int]:
+        """``choose``, within each request's room and ``cap``'s limit for ``running`` requests
+        (default: those given)."""
+        cap = None if cap is None else cap(len(requests) if running is None else running)
+        capped = [r if cap is None else _with_limit(r, min(r.limit, cap)) for r in requests]
+        return [min(k, r.limit) for k, r in zip(self.choose(capped), capped)]
+
+    def record(self, step: StepTimes) -> None:
+        """A step's measured costs and outcomes (policies that learn override this)."""
+
+
+class FixedK(SpeculationPolicy):
+    """Every request drafts as many as it may, every step."""
+
+    def choose(self, requests: Sequence[DraftRequest]) -> list[int]:
+        return [r.limit for r in requests]
+
+
+class CostModel(SpeculationPolicy):
+    """Draft lengths that maximise expected tokens per second (see the module docstring)."""
+
+    def __init__(self, costs: StepCosts | None = None) -> None:
+        self.costs = costs or StepCosts()
+        self.method_acceptance: dict[str, float] = {}
+
+    def acceptance(self, r: DraftRequest) -> float:
+        a = r.state.acceptance
+        if a is None:
+            a = self.method_acceptance.get(r.method, PRIOR_ACCEPTANCE)
+        return min(max(a, 0.0), 0.995)
+
+    def choose(self, requests: Sequence[DraftRequest]) -> list[int]:
+        ks = [r.limit if not r.adaptive else 0 for r in requests]
+        costs = self.costs
+        if not costs.verify_measured:  # nothing measured yet: draft a little and measure
+            return [r.limit if not r.adaptive else min(r.limit, PROBE_K) for r in requests]
+        rows = len(requests) + sum(ks)
+        tokens = sum(_expected(self.acceptance(r), k) for r, k in zip(requests, ks))
+        seconds = costs.verify(rows) + sum(costs.draft_token(r.method) * k for r, k in zip(requests, ks))
+        sharing = _sharing(requests)
+        while True:
+            best, best_gain, best_cost = -1, 0.0, 1.0
+            for i, r in enumerate(requests):
+                if not r.adaptive or ks[i] >= r.limit:
+                    continue
+                gain = self.acceptance(r) ** (ks[i] + 1)
+                cost = costs.draft_token(r.method) / sharing[r.method] + costs.verify(rows + 1) - costs.verify(rows)
+                if ks[i] == 0 and r.catch_up:
+                    steps_left = max(r.remaining / (1 + gain), 1.0)
+                    cost += costs.catch_up(r.catch_up) / steps_left
+                if best < 0 or gain * best_cost > best_gain * cost:
+                    best, best_gain, best_cost = i, gain, cost
+            if best < 0 or best_gain * seconds <= MARGIN * tokens * best_cost:
+                break
+            ks[best] += 1
+            rows += 1
+            tokens += best_gain
+            seconds += best_cost
+        return [self._probe(r, k) for r, k in zip(requests, ks)]
+
+    def _probe(self, r: DraftRequest, k: int) -> int:
+        """``k``, or ``PROBE_K`` for a request whose drafting has been off long enough to re-measure."""
+        state = r.state
+        if not r.adaptive or r.limit == 0:
+            return k
+        if k:
+            state.idle, state.probe_after = 0, PROBE_AFTER
+            return k
+        state.idle += 1
+        if state.idle < state.probe_after:
+            return 0
+        state.idle, state.probe_after = 0, min(2 * state.probe_after, PROBE_AFTER_MAX)
+        return min(PROBE_K, r.limit)
+
+    def record(self, step: StepTimes) -> None:
+        self.costs.record(step)
+        for outcome in step.requests:
+            if not outcome.decided:
+                continue
+            rate = outcome.accepted / outcome.decided
+            state = outcome.state
+            state.acceptance = rate if state.acceptance is None else (1 - REQUEST_EMA) * state.acceptance + REQUEST_EMA * rate
+            old = self.method_acceptance.get(outcome.method)
+            self.method_acceptance[outcome.method] = rate if old is None else (1 - METHOD_EMA) * old + METHOD_EMA * rate
+
+
+def _expected(acceptance: float, k: int) -> float:
+    """Expected tokens of a step with ``k`` drafts: 1 + a + ... + a^k."""
+    return sum(acceptance**j for j in range(k + 1))
+
+
+def _sharing(requests: Sequence[DraftRequest]) -> dict[str, int]:
+    """Requests per method this step: a draft model's forward serves all of them at once."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        counts[r.method] = counts.get(r.method, 0) + 1
+    return counts
+
+
+def _with_limit(r: DraftRequest, limit: int) -> DraftRequest:
+    return DraftRequest(r.method, limit, r.room, r.adaptive, r.catch_up, r.remaining, r.state)

@@ -1,0 +1,135 @@
+"""The speculation policy on recorded cost tables: it drafts nothing where drafts cannot pay,
+stops where the next draft no longer repays itself, treats solo and batched requests alike,
+and learns from the steps it is told about. Pure: no model runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.engine.costs import ROW_SHARE_PRIOR, RequestOutcome, RequestSpeculation, StepCosts, StepTimes
+from specdecode.engine.policy import MARGIN, PROBE_AFTER_MAX, PROBE_K, CostModel, DraftRequest, FixedK
+
+STEP = 0.040  # one verify row, seconds
+
+
+def _costs(row_s: float, draft_s: float = 0.0, method: str = "draft_model", max_rows: int = 64) -> StepCosts:
+    """A verify forward of r rows costs STEP + row_s * (r - 1); drafting ``draft_s`` a token."""
+    costs = StepCosts(verify_by_rows={r: STEP + row_s * (r - 1) for r in range(1, max_rows + 1)})
+    costs.draft_token_s[method] = draft_s
+    return costs
+
+
+def _request(acceptance: float, k_max: int = 12, method: str = "draft_model", **kw) -> DraftRequest:
+    return DraftRequest(method, k_max, room=kw.pop("room", 100), state=RequestSpeculation(acceptance=acceptance), **kw)
+
+
+def _rate(acceptance: float, k: int, row_s: float, draft_s: float) -> float:
+    tokens = sum(acceptance**j for j in range(k + 1))
+    return tokens / (STEP + k * (row_s + draft_s))
+
+
+def test_nothing_is_drafted_where_drafts_cannot_pay():
+    """Rows as dear as a step and a draft at 0.4 of one: even 90% acceptance loses."""
+    policy = CostModel(_costs(row_s=STEP, draft_s=0.4 * STEP))
+    assert policy.draft_lengths([_request(0.9)]) == [0]
+
+
+@pytest.mark.parametrize("acceptance, row_s, draft_s", [(0.9, 0.013, 0.019), (0.8, 0.005, 0.0), (0.97, 0.010, 0.004),
+                                                        (0.6, 0.002, 0.0)])
+def test_a_solo_request_drafts_the_k_of_the_best_expected_rate(acceptance, row_s, draft_s):
+    """The draft-by-draft choice stops where the next draft no longer repays itself, which for
+    one request is the K of the highest expected tokens per second (within the margin)."""
+    policy = CostModel(_costs(row_s, draft_s))
+    (k,) = policy.draft_lengths([_request(acceptance, k_max=32)])
+    rates = [_rate(acceptance, j, row_s, draft_s) for j in range(33)]
+    assert k > 0
+    assert rates[k] >= max(rates) / MARGIN
+    # one more draft would not have paid its way at the margin
+    assert acceptance ** (k + 1) * (STEP + k * (row_s + draft_s)) <= MARGIN * sum(acceptance**j for j in range(k + 1)) * (row_s + draft_s)
+
+
+def test_free_drafts_pay_at_lower_acceptance_than_model_drafts():
+    cheap_rows = _costs(row_s=0.012, draft_s=0.0, method="ngram")
+    cheap_rows.draft_token_s["draft_model"] = 0.019
+    policy = CostModel(cheap_rows)
+    free, paid = policy.draft_lengths([_request(0.5, method="ngram")]), policy.draft_lengths([_request(0.5)])
+    assert free[0] > 0 and paid == [0]
+
+
+def test_a_solo_and_a_batched_request_get_the_same_k_at_equal_costs():
+    """Where the step's cost does not grow with its rows (a bandwidth-bound forward), a request
+    faces the same costs alone or beside three others, and gets the same K."""
+    policy = CostModel(_costs(row_s=0.0, draft_s=0.001, method="ngram"))
+    solo = policy.draft_lengths([_request(0.7, method="ngram")])
+    batched = policy.draft_lengths([_request(0.7, method="ngram") for _ in range(4)])
+    assert batched == solo * 4
+
+
+def test_a_busier_step_drafts_less_per_request_when_rows_cost_compute():
+    policy = CostModel(_costs(row_s=0.008, draft_s=0.0, method="ngram"))
+    solo = policy.draft_lengths([_request(0.8, method="ngram")])[0]
+    batched = policy.draft_lengths([_request(0.8, method="ngram") for _ in range(8)])
+    assert solo > 0 and max(batched) < solo
+
+
+def test_the_better_request_drafts_more_in_a_batch():
+    policy = CostModel(_costs(row_s=0.006, draft_s=0.0, method="ngram"))
+    good, poor = policy.draft_lengths([_request(0.9, method="ngram"), _request(0.3, method="ngram")])
+    assert good > poor
+
+
+def test_room_caps_and_fixed_requests():
+    policy = CostModel(_costs(row_s=0.0, draft_s=0.0))
+    assert policy.draft_lengths([_request(0.9, room=3)]) == [3]
+    assert policy.draft_lengths([_request(0.9)], running=5, cap=lambda n: 2 if n >= 4 else None) == [2]
+    assert policy.draft_lengths([_request(0.9)], running=1, cap=lambda n: 2 if n >= 4 else None) == [12]
+    dear = CostModel(_costs(row_s=STEP, draft_s=STEP))
+    assert dear.draft_lengths([_request(0.1, k_max=5, adaptive=False)]) == [5]  # not the policy's to choose
+    assert FixedK().draft_lengths([_request(0.0, k_max=7), _request(0.0, room=2)]) == [7, 2]
+
+
+def test_a_catch_up_is_weighed_against_the_tokens_left():
+    costs = _costs(row_s=0.004, draft_s=0.004)
+    costs.catch_up_token_s = 0.002  # 300 tokens: 0.6 s
+    policy = CostModel(costs)
+    assert policy.draft_lengths([_request(0.9, catch_up=300, remaining=256)])[0] > 0
+    assert policy.draft_lengths([_request(0.9, catch_up=300, remaining=4)]) == [0]
+
+
+def test_a_request_off_drafting_probes_ever_more_rarely():
+    policy = CostModel(_costs(row_s=STEP, draft_s=STEP))
+    request = _request(0.5)
+    picks = [policy.draft_lengths([request])[0] for _ in range(16 + 32 + 64)]
+    probes = [i for i, k in enumerate(picks) if k]
+    assert [picks[i] for i in probes] == [PROBE_K] * 3
+    assert [b - a for a, b in zip(probes, probes[1:])] == [32, 64]
+    request.state.probe_after = PROBE_AFTER_MAX
+    assert set(policy.draft_lengths([request])[0] for _ in range(PROBE_AFTER_MAX - 1)) == {0}
+
+
+def test_before_any_measurement_it_drafts_a_little_to_measure():
+    assert CostModel().draft_lengths([_request(0.9), _request(0.9, adaptive=False, k_max=5)]) == [PROBE_K, 5]
+
+
+def test_recorded_steps_teach_acceptance_and_costs():
+    policy = CostModel(_costs(row_s=0.005, draft_s=0.0, method="ngram"))
+    state = RequestSpeculation()
+    request = DraftRequest("ngram", 12, 100, state=state)
+    assert policy.draft_lengths([request])[0] > 0  # the method's optimistic prior
+    for _ in range(12):  # every first draft refused
+        policy.record(StepTimes(rows=5, verify_s=STEP + 4 * 0.005, requests=[RequestOutcome("ngram", state, 4, 0, 0.0)]))
+    assert state.acceptance < 0.05 and policy.method_acceptance["ngram"] < 0.8
+    assert policy.draft_lengths([request]) == [0]
+    fresh = DraftRequest("ngram", 12, 100, state=RequestSpeculation())  # a new request starts from the method's rate
+    assert policy.acceptance(fresh) == pytest.approx(policy.method_acceptance["ngram"])
+
+
+def test_verify_costs_are_read_through_a_fitted_line():
+    costs = StepCosts()
+    assert costs.verify(4) == 0.0 and not costs.verify_measured
+    costs.record(StepTimes(rows=1, verify_s=0.040))
+    assert costs.verify(3) == pytest.approx(0.040 * (1 + 2 * ROW_SHARE_PRIOR))  # one count: the prior share
+    costs.record(StepTimes(rows=5, verify_s=0.080))
+    assert costs.verify(9) == pytest.approx(0.120) and costs.verify(3) == pytest.approx(0.060)
+    costs.record(StepTimes(rows=1, verify_s=0.050, catch_ups=[(100, 0.5)]))
+    assert costs.verify(1) == pytest.approx(0.042) and costs.catch_up(10) == pytest.approx(0.05)
