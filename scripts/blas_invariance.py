@@ -1,8 +1,9 @@
 """Which BLAS call shapes give a row the same bits whatever rows share the call: the
-measurement behind ``kernels.linear_invariant_portable`` (PERFORMANCE.md lever 24). For each weight shape
-it compares every row of ``w @ x.T`` in calls of 1-33 rows, starting at a few offsets, with the
-row computed alone, both for one call per row count and for calls of exactly 8 rows; then the
-same for attention's batched GEMM of query rows against keys.
+measurement behind ``kernels.linear_invariant_portable`` (docs/PERFORMANCE.md, "Design choices
+and their measurements"). For each weight shape it compares every row of ``w @ x.T`` in calls of
+1-33 rows, starting at a few offsets, with the row computed alone, both for one call per row
+count and for calls of exactly 8 rows; then the same for attention's batched GEMM of query rows
+against keys.
 
     python scripts/blas_invariance.py
 """

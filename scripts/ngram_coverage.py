@@ -4,8 +4,9 @@ Greedy speculative decoding emits exactly the plain output, so a drafter's steps
 offline from a bench run's ``none`` rows without a model: each step drafts from the context, keeps
 the prefix that matches the recorded output, and emits one more token. ``--skip-one`` adds a
 substitution-tolerant fallback for steps whose last token is new: copy what followed the token
-after the previous token's earlier occurrence. Used for the n-gram efficiency analysis in
-docs/PERFORMANCE.md.
+after the previous token's earlier occurrence. It shows how many n-gram steps run as plain
+steps because there is nothing to copy, which is why ``limit_tokens_per_s`` counts every target
+forward (docs/PERFORMANCE.md, "Design choices and their measurements").
 
     python scripts/ngram_coverage.py bench-results/final-k8/results.jsonl
 """

@@ -1,6 +1,6 @@
 """Time one prefill-sized float32 product (146 prompt rows x the 1.5B target's 1536 -> 8960 MLP
 matrix) through MKL (what prefills use) and through oneDNN's prepacked linear, which needs a
-second, blocked copy of the weight. The measurement behind "Where the time goes now" in
+second, blocked copy of the weight. The measurement behind the float32 target's prefill in
 docs/PERFORMANCE.md: whether prefill could be faster without more memory.
 
     python scripts/prefill_gemm.py --rows 146

@@ -14,15 +14,15 @@ from specdecode.errors import InvalidConfigError
 from specdecode.params import MAX_SPECULATIVE_TOKENS
 
 # Up to 12 drafts per step: with the int4 draft, K=12 beat K=8 by 2-6% for draft_model, combined,
-# tree and ngram in each of four bench runs on the AVX2 machine (docs/PERFORMANCE.md, the levers
-# table).
+# tree and ngram in each of four bench runs on the AVX2 machine (docs/PERFORMANCE.md, "Design
+# choices and their measurements").
 DEFAULT_SPECULATIVE_TOKENS = 12
 # Stop drafting once the draft's probability for its draft so far drops below this. 0.5 was the
-# best of 0-0.7 (per-token and cumulative rules) on five workloads (docs/PERFORMANCE.md, the
-# levers table; the comparison is in the commit it names).
+# best of 0-0.7 (per-token and cumulative rules) on five workloads (docs/PERFORMANCE.md, "Design
+# choices and their measurements"; the comparison is in the commit it names).
 DEFAULT_DRAFT_CONFIDENCE = 0.5
 # int4 drafts (one native call per draft forward) beat int8 in every category of a bench pair
-# (docs/PERFORMANCE.md, the levers table). The kernel needs AVX2 (it uses AVX-512 VNNI where
+# (docs/PERFORMANCE.md, "Design choices and their measurements"). The kernel needs AVX2 (it uses AVX-512 VNNI where
 # present); without AVX2 int4 falls back to int8; "none" keeps the model dtype.
 DRAFT_QUANTIZE_CHOICES = ("int8", "int4", "none")
 DEFAULT_DRAFT_QUANTIZE = "int4"

@@ -6,10 +6,9 @@ Each ``propose``:
 1. The committed target ids become text (``_CommittedText``: incremental, O(new tokens); ids that
    end inside a UTF-8 character are *pending* and left out until the character completes).
 2. The text becomes draft ids (``_WindowedEncoder``: only a window at the end is re-encoded, so a
-   step costs O(window), not O(context): a full encode of 4k tokens of code costs ~6 ms with the
-   SmolLM2 tokenizer, a window of <=512 characters ~0.2 ms). Re-tokenization can change the
-   last ids (a word that grew), so the draft cache keeps the longest common prefix of the ids it
-   holds and the new ones, is trimmed to it, and the rest is fed in one forward.
+   step costs O(window), not O(context); the window is at most 512 characters). Re-tokenization
+   can change the last ids (a word that grew), so the draft cache keeps the longest common prefix
+   of the ids it holds and the new ones, is trimmed to it, and the rest is fed in one forward.
 3. The draft drafts greedily (argmax) up to ``ceil(k * r) + 1`` draft tokens, where ``r`` is the
    draft/target token ratio of the committed text (clamped to [0.5, 2]): a finer draft
    tokenizer needs more draft tokens for the same text, and the extra one is the lookahead that

@@ -33,8 +33,8 @@ from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.drafters.tree import TokenTrie
 from specdecode.errors import InvalidConfigError
 
-# Lookahead: at most 4 * 2 window rows + 3 * 2 candidate rows, a verify about 1.3x a plain step
-# here (docs/PERFORMANCE.md).
+# Lookahead: at most 4 * 2 window rows + 3 * 2 candidate rows, kept few because every verify row
+# costs compute on a CPU (docs/PERFORMANCE.md).
 LOOKAHEAD_WINDOW, LOOKAHEAD_NGRAM, LOOKAHEAD_CANDIDATES = 4, 3, 3
 
 MAX_POOL_PER_TOKEN = 8  # n-grams kept per first token, most recent first

@@ -6,16 +6,15 @@ flip the argmax and the "lossless" output would drift from plain decoding.
 
 Linear layers take weights ``[out, in]``. The fast path is the native kernel (``native.py``),
 invariant for every row count including one. The portable torch path and attention rely on
-measurements (torch 2.13, fp32, MKL): calls with fewer than ``MIN_GEMM_ROWS`` rows take
-small-matrix kernels that round differently (one row: GEMV; two or three rows differed too, e.g.
-for a reduction length of 1536 or a head dim of 128 with 1-3 query heads per kv head), so short
-calls are padded with zero rows. Attention's batched GEMMs then gave a row the same bits for
-every row count and position on both CPUs measured (Intel, AMD EPYC); the linear layout
-``w @ x.T`` did not on the AMD one (rows changed bits in calls of 9 or more rows;
-``scripts/blas_invariance.py``), so the portable linear always calls BLAS with exactly
-``MIN_GEMM_ROWS`` rows. The reductions in attention also run
-over fixed-size key blocks so that extra (masked, exactly zero) keys never regroup the sums of the
-real ones.
+measurements (torch 2.13, fp32, MKL; ``python scripts/blas_invariance.py``): calls with fewer
+than ``MIN_GEMM_ROWS`` rows take small-matrix kernels that round differently (one row: GEMV; two
+or three rows too, e.g. for a reduction length of 1536 or a head dim of 128 with 1-3 query heads
+per kv head), so short calls are padded with zero rows. So padded, attention's batched GEMMs give
+a row the same bits for every row count and position on both CPUs measured (Intel, AMD EPYC);
+the linear layout ``w @ x.T`` does not on the AMD one (rows change bits in calls of 9 or more
+rows), so the portable linear always calls BLAS with exactly ``MIN_GEMM_ROWS`` rows. The
+reductions in attention also run over fixed-size key blocks so that extra (masked, exactly zero)
+keys never regroup the sums of the real ones.
 """
 
 from __future__ import annotations
@@ -37,9 +36,9 @@ MIN_GEMM_ROWS = 8  # fewer rows than this take BLAS small-matrix paths; we pad u
 
 # Calls with more rows than this are prompt prefills, never decode or verify steps (K <= 32).
 # A prefill is the same call for every method, so it needs no invariance and takes BLAS GEMM,
-# which is compute-efficient at many rows where the row-streaming kernels are not. Measured on
-# the 1.5B target (a timed prefill of N tokens, 2026-11-22): 40 rows 805 ms native vs 779 ms BLAS, 60 rows
-# 1200 vs 911 ms, 20 rows 479 vs 629 ms; so the line sits at 40 (above a verify's 33 rows).
+# which is compute-efficient at many rows where the row-streaming kernels are not. On the 1.5B
+# float32 target the two cost about the same at 40 rows (the native kernel is faster below, BLAS
+# above), and 40 is above a verify's 33 rows, so the line sits there.
 PREFILL_ROWS = 40
 
 
@@ -63,9 +62,9 @@ class LinearKernel:
 def linear_invariant_portable(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
     """``x @ w.T`` through BLAS calls of exactly ``MIN_GEMM_ROWS`` rows each (zero-padded), so
     every row meets the same GEMM kernel whatever the row count. One call per row count is not
-    enough: on an AMD EPYC (AVX2) calls of 9 or more rows gave some rows other bits than alone
-    (``scripts/blas_invariance.py``, 2026-11-23). Prefills (more than ``PREFILL_ROWS`` rows, the same call for
-    every method) take one call unless ``invariant`` insists (batched decode rows of many
+    enough: on an AMD EPYC (AVX2) calls of 9 or more rows give some rows other bits than alone
+    (``python scripts/blas_invariance.py``). Prefills (more than ``PREFILL_ROWS`` rows, the same
+    call for every method) take one call unless ``invariant`` insists (batched decode rows of many
     sequences).
 
     x: [N, in]; w: [out, in] -> [N, out].

@@ -383,8 +383,8 @@ void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j, int64_t r0
 
 // Outputs j0 .. j1-1 of one part for every row: row tile by row tile, each tile across the
 // outputs, so the tile's activations stay in L1 while the outputs' weights (a few KB each) come
-// from L2. Output by output instead, a prefill of 64 rows re-read 100 KB of activations from L2
-// for every output. Each (row, output) is computed exactly as alone.
+// from L2. Output by output instead, a prefill of 64 rows would re-read its 100 KB of activations
+// from L2 for every output. Each (row, output) is computed exactly as alone.
 template <int T>
 void rows_of(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
     int64_t r = 0;

@@ -29,8 +29,8 @@ namespace {
 
 constexpr int64_t G = 64;  // inputs per scale group
 // Software prefetch, bytes ahead in the weight stream: a draft's matrices are small (a call
-// streams 0.4-4 MB), too short for the hardware prefetcher to ramp up. All layers of the 0.5B
-// draft, one row: 14.1 ms without, 12.0 / 11.0 / 9.8 / 10.2 ms at 512 B / 1 / 3 / 4 KB (2026-11-22).
+// streams 0.4-4 MB), too short for the hardware prefetcher to ramp up, so a one-row draft forward
+// runs faster with it; 3 KB ahead was the fastest distance tried (0.5-4 KB).
 constexpr int64_t PF = 3072;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -224,9 +224,11 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
 
 // A whole int4 draft decoder forward for a few decode rows in one call.
 //
-// Why: with int4 weights a draft forward's linear layers take about 6.5 ms, but the forward took
-// 19 ms through torch, the rest being some 40 small ops per layer, each a few microseconds of
-// dispatch for a single row. Here a layer is plain loops over the same weights and cache.
+// Why: through torch, a one-row draft forward spends most of its time outside the int4 linear
+// layers, in the dispatch of some 40 small ops per layer, each a few microseconds for a single
+// row. Here a layer is plain loops over the same weights and cache. ``python
+// scripts/draft_step.py --quantize int4`` times this forward against the torch layers
+// (docs/PERFORMANCE.md, "The draft").
 // Numerics follow ``Decoder`` in float32 (rms_norm, rotate-half RoPE, causal softmax attention
 // with grouped kv heads, SiLU-gated MLP); only the draft uses this, so its rounding is free.
 class Int4Draft {

@@ -55,7 +55,7 @@ inline float hsum(Vec v) {
 
 // Software prefetch, floats ahead in each weight row (512 bytes). It helps the multi-row tiles
 // (4 weight streams per thread) but slows the one-row tile (8 streams), which the hardware
-// prefetcher serves better alone: 254 against 266 ms for a step of the 1.5B target, 2026-11-22.
+// prefetcher serves better alone (docs/PERFORMANCE.md, "Design choices and their measurements").
 constexpr int64_t PREFETCH = 128;
 
 // One register tile: JB outputs x R rows over k in [k0, k1). The accumulators live in ``acc``
