@@ -133,3 +133,19 @@ def test_verify_costs_are_read_through_a_fitted_line():
     assert costs.verify(9) == pytest.approx(0.120) and costs.verify(3) == pytest.approx(0.060)
     costs.record(StepTimes(rows=1, verify_s=0.050, catch_ups=[(100, 0.5)]))
     assert costs.verify(1) == pytest.approx(0.042) and costs.catch_up(10) == pytest.approx(0.05)
+
+
+def test_a_seeded_sampled_request_gets_its_k_from_its_own_history_alone():
+    """Its draws follow K, so K may depend on neither timings nor neighbours: the same K
+    whatever the measured costs and whoever shares the step."""
+    def seeded(acceptance: float | None) -> DraftRequest:
+        return DraftRequest("draft_model", 12, 100, state=RequestSpeculation(acceptance=acceptance),
+                            draft_cost_prior=0.4, reproducible=True)
+
+    picks = set()
+    for costs in (StepCosts(), _costs(row_s=STEP, draft_s=STEP), _costs(row_s=0.0, draft_s=0.0)):
+        policy = CostModel(costs)
+        for neighbours in (0, 3):
+            picks.add(tuple(policy.draft_lengths([seeded(0.9)] + [_request(0.9) for _ in range(neighbours)])[:1]))
+    assert len(picks) == 1 and picks.pop()[0] > 0
+    assert CostModel(_costs(row_s=0.0, draft_s=0.0)).draft_lengths([seeded(0.2)]) == [0]  # poor drafts: none, at any speed

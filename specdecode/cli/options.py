@@ -46,8 +46,9 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
     command has its own K schedule) ``--fixed-k``."""
     if fixed_k:
         p.add_argument("--fixed-k", action="store_true",
-                       help="do not adapt the draft length to acceptance: draft up to K every step; the "
-                            "draft model still stops early by --draft-confidence (0 there: exactly K)")
+                       help="draft up to K every step instead of the length the speculation policy picks "
+                            "from measured costs and acceptance (0 included); the draft model still stops "
+                            "early by --draft-confidence (0 there: exactly K)")
     p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
                    help="draft model: stop drafting once the draft's probability for its draft so far "
                         "(the product of its token probabilities) falls below this; 0 never stops "

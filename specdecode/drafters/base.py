@@ -99,14 +99,17 @@ class Drafter(ABC):
     """Base of every drafter. The engine calls each hook at its moment, unconditionally; the
     defaults do nothing, so a drafter overrides only what it uses.
 
-    ``adapts_length``: the engine may shorten or lengthen ``k`` with the acceptance (False for a
-    drafter whose proposal size is its own, like a lookahead window). ``needs_hidden_states``:
+    ``adapts_length``: the speculation policy may choose ``k`` (False for a drafter whose
+    proposal size is its own, like a lookahead window). ``draft_cost_prior``: a drafted token's
+    cost as a share of a target step, which the policy assumes until it has measured the method
+    (and always for seeded sampled requests): 0 for drafters that look tokens up. ``needs_hidden_states``:
     every target forward captures the states of ``hidden_layers`` (see ``HiddenCapture``) and
     the drafter gets them through ``observe_hidden`` (trained heads).
     """
 
     name: ClassVar[str]
     adapts_length: ClassVar[bool] = True
+    draft_cost_prior: ClassVar[float] = 0.0
     needs_hidden_states: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = ()
 

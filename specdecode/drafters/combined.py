@@ -20,6 +20,7 @@ from specdecode.drafters.ngram import NgramDrafter
 
 class CombinedDrafter(Drafter):
     name: ClassVar[str] = "combined"
+    draft_cost_prior: ClassVar[float] = 0.4  # the draft model's, where the context has no match
 
     def __init__(self, draft: DraftModelDrafter | CrossVocabDrafter, min_match: int = 3, ngram_max: int = 4) -> None:
         self.draft = draft

@@ -188,6 +188,7 @@ class Batch:
 
 
 def _draft_request(gen: Generation) -> DraftRequest:
-    seq = gen.seq
-    return DraftRequest(gen.drafter.name, gen.k_max, gen.draft_room(), gen.adaptive, gen.drafter.catch_up(seq),
-                        min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation)
+    seq, drafter = gen.seq, gen.drafter
+    return DraftRequest(drafter.name, gen.k_max, gen.draft_room(), gen.adaptive, drafter.catch_up(seq),
+                        min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation,
+                        drafter.draft_cost_prior, reproducible=not seq.params.greedy and seq.params.seed is not None)

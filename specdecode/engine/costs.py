@@ -12,12 +12,30 @@ machine's load.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 EMA = 0.2  # weight of a new measurement in its running mean
 PROBE_AFTER = 16  # steps at K = 0 before a request re-measures its acceptance (policy.py)
 # Before two row counts are measured, an extra row is taken to cost this share of a one-row
 # step: about what the quantized target's extra rows cost on AVX2 (docs/GGUF_NATIVE.md).
 ROW_SHARE_PRIOR = 0.35
+
+
+class DraftCostKey(Protocol):
+    """What a draft's cost is looked up by (``policy.DraftRequest`` has it)."""
+
+    method: str
+    draft_cost_prior: float
+
+
+class Costs(Protocol):
+    """What the policy reads: a verify forward's, a drafted token's and a catch-up's cost."""
+
+    def verify(self, rows: int) -> float: ...
+
+    def draft_token(self, request: DraftCostKey) -> float: ...
+
+    def catch_up(self, tokens: int) -> float: ...
 
 
 @dataclass(slots=True)
@@ -92,10 +110,11 @@ class StepCosts:
         b = max(sum((r - 1 - mx) * (s - my) for r, s in points) / sxx, 0.0)
         return my - b * mx, b
 
-    def draft_token(self, method: str) -> float:
-        """Seconds per drafted token of ``method`` (0.0 until measured: optimistic, so it drafts
-        and gets measured)."""
-        return self.draft_token_s.get(method, 0.0)
+    def draft_token(self, request: DraftCostKey) -> float:
+        """Seconds per drafted token of the request's method; until measured, its drafter's prior
+        share of a one-row step."""
+        measured = self.draft_token_s.get(request.method)
+        return measured if measured is not None else request.draft_cost_prior * self.verify(1)
 
     def catch_up(self, tokens: int) -> float:
         return tokens * (self.catch_up_token_s or 0.0)
@@ -112,3 +131,24 @@ class StepCosts:
 
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - EMA) * old + EMA * new
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceCosts:
+    """Fixed costs in units of one-row steps, for requests whose K must not depend on timings
+    (seeded sampling): an extra row ``ROW_SHARE_PRIOR``, a drafted token its drafter's prior, a
+    catch-up token ``catch_up_share``."""
+
+    catch_up_share: float = 0.02
+
+    def verify(self, rows: int) -> float:
+        return 1.0 + ROW_SHARE_PRIOR * (rows - 1)
+
+    def draft_token(self, request: DraftCostKey) -> float:
+        return request.draft_cost_prior
+
+    def catch_up(self, tokens: int) -> float:
+        return tokens * self.catch_up_share
+
+
+REFERENCE_COSTS = ReferenceCosts()

@@ -14,7 +14,8 @@ time, best gain per second first, while each adds more tokens per second than th
 at its current rate: so a request drafts nothing when not even its first draft repays itself (a
 plain step), and a step of many requests, whose extra rows cost integer compute, drafts less.
 A request at K = 0 measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
-once to re-measure (the wait doubles while drafting stays off).
+once to re-measure (the wait doubles while drafting stays off). A seeded sampled request is
+planned on fixed reference costs instead (``DraftRequest.reproducible``).
 
 ``FixedK`` drafts ``num_speculative_tokens`` every step (``adaptive=False``: for experiments).
 Drafters that size their own proposals (``adapts_length = False``, a lookahead window) always
@@ -23,11 +24,12 @@ get their K. A server's ``--k-by-load`` table caps whichever policy runs.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdecode.engine.costs import PROBE_AFTER, RequestSpeculation, StepCosts, StepTimes
+from specdecode.engine.costs import PROBE_AFTER, REFERENCE_COSTS, Costs, RequestSpeculation, StepCosts, StepTimes
 
 PROBE_AFTER_MAX = 1024
 PROBE_K = 2
@@ -49,6 +51,11 @@ class DraftRequest:
     step allows (``max_tokens`` and the context); ``adaptive``: the policy chooses its K (else
     ``k_max``); ``catch_up``: tokens its drafter must feed its own model before drafting;
     ``remaining``: tokens the request may still make; ``state``: what the policy learned of it.
+
+    ``reproducible``: a seeded sampled request, whose random draws follow its K. Its K then comes
+    from its own acceptance and fixed reference costs (``costs.REFERENCE_COSTS``), never from
+    timings or from the requests beside it, so the same seed gives the same tokens in every run,
+    alone or batched. Greedy output never depends on K, so greedy requests use measured costs.
     """
 
     method: str
@@ -58,6 +65,8 @@ class DraftRequest:
     catch_up: int = 0
     remaining: int = 256
     state: RequestSpeculation = field(default_factory=RequestSpeculation)
+    draft_cost_prior: float = 0.0  # a drafted token's cost as a share of a step, until measured
+    reproducible: bool = False  # a seeded sampled request: its K may not depend on timings or neighbours
 
     @property
     def limit(self) -> int:
@@ -98,38 +107,21 @@ class CostModel(SpeculationPolicy):
         self.method_acceptance: dict[str, float] = {}
 
     def acceptance(self, r: DraftRequest) -> float:
-        a = r.state.acceptance
-        if a is None:
-            a = self.method_acceptance.get(r.method, PRIOR_ACCEPTANCE)
-        return min(max(a, 0.0), 0.995)
+        """The request's measured acceptance, else its method's over earlier requests."""
+        return _clamp(r.state.acceptance, self.method_acceptance.get(r.method, PRIOR_ACCEPTANCE))
 
     def choose(self, requests: Sequence[DraftRequest]) -> list[int]:
-        ks = [r.limit if not r.adaptive else 0 for r in requests]
-        costs = self.costs
-        if not costs.verify_measured:  # nothing measured yet: draft a little and measure
-            return [r.limit if not r.adaptive else min(r.limit, PROBE_K) for r in requests]
-        rows = len(requests) + sum(ks)
-        tokens = sum(_expected(self.acceptance(r), k) for r, k in zip(requests, ks))
-        seconds = costs.verify(rows) + sum(costs.draft_token(r.method) * k for r, k in zip(requests, ks))
-        sharing = _sharing(requests)
-        while True:
-            best, best_gain, best_cost = -1, 0.0, 1.0
-            for i, r in enumerate(requests):
-                if not r.adaptive or ks[i] >= r.limit:
-                    continue
-                gain = self.acceptance(r) ** (ks[i] + 1)
-                cost = costs.draft_token(r.method) / sharing[r.method] + costs.verify(rows + 1) - costs.verify(rows)
-                if ks[i] == 0 and r.catch_up:
-                    steps_left = max(r.remaining / (1 + gain), 1.0)
-                    cost += costs.catch_up(r.catch_up) / steps_left
-                if best < 0 or gain * best_cost > best_gain * cost:
-                    best, best_gain, best_cost = i, gain, cost
-            if best < 0 or best_gain * seconds <= MARGIN * tokens * best_cost:
-                break
-            ks[best] += 1
-            rows += 1
-            tokens += best_gain
-            seconds += best_cost
+        ks = [0] * len(requests)
+        measured = [i for i, r in enumerate(requests) if not r.reproducible]
+        for i, r in enumerate(requests):
+            if r.reproducible:  # its own history and fixed costs alone decide, as if it ran alone
+                ks[i] = _allocate([r], REFERENCE_COSTS, lambda r: _clamp(r.state.acceptance, PRIOR_ACCEPTANCE))[0]
+        if not self.costs.verify_measured:  # nothing measured yet: draft a little and measure
+            for i in measured:
+                ks[i] = requests[i].limit if not requests[i].adaptive else min(requests[i].limit, PROBE_K)
+        else:
+            for i, k in zip(measured, _allocate([requests[i] for i in measured], self.costs, self.acceptance)):
+                ks[i] = k
         return [self._probe(r, k) for r, k in zip(requests, ks)]
 
     def _probe(self, r: DraftRequest, k: int) -> int:
@@ -158,6 +150,37 @@ class CostModel(SpeculationPolicy):
             self.method_acceptance[outcome.method] = rate if old is None else (1 - METHOD_EMA) * old + METHOD_EMA * rate
 
 
+def _allocate(requests: Sequence[DraftRequest], costs: Costs, acceptance: Callable[[DraftRequest], float]) -> list[int]:
+    """Draft lengths for ``requests`` verified together: drafts added one at a time, best expected
+    tokens per second first, while each adds more than the step makes at its current rate."""
+    ks = [r.limit if not r.adaptive else 0 for r in requests]
+    rows = len(requests) + sum(ks)
+    tokens = sum(_expected(acceptance(r), k) for r, k in zip(requests, ks))
+    seconds = costs.verify(rows) + sum(costs.draft_token(r) * k for r, k in zip(requests, ks))
+    sharing = _sharing(requests)
+    while True:
+        best, best_gain, best_cost = -1, 0.0, 1.0
+        for i, r in enumerate(requests):
+            if not r.adaptive or ks[i] >= r.limit:
+                continue
+            gain = acceptance(r) ** (ks[i] + 1)
+            cost = costs.draft_token(r) / sharing[r.method] + costs.verify(rows + 1) - costs.verify(rows)
+            if ks[i] == 0 and r.catch_up:
+                cost += costs.catch_up(r.catch_up) / max(r.remaining / (1 + gain), 1.0)  # over the steps left
+            if best < 0 or gain * best_cost > best_gain * cost:
+                best, best_gain, best_cost = i, gain, cost
+        if best < 0 or best_gain * seconds <= MARGIN * tokens * best_cost:
+            return ks
+        ks[best] += 1
+        rows += 1
+        tokens += best_gain
+        seconds += best_cost
+
+
+def _clamp(acceptance: float | None, default: float) -> float:
+    return min(max(default if acceptance is None else acceptance, 0.0), 0.995)
+
+
 def _expected(acceptance: float, k: int) -> float:
     """Expected tokens of a step with ``k`` drafts: 1 + a + ... + a^k."""
     return sum(acceptance**j for j in range(k + 1))
@@ -172,4 +195,4 @@ def _sharing(requests: Sequence[DraftRequest]) -> dict[str, int]:
 
 
 def _with_limit(r: DraftRequest, limit: int) -> DraftRequest:
-    return DraftRequest(r.method, limit, r.room, r.adaptive, r.catch_up, r.remaining, r.state)
+    return dataclasses.replace(r, k_max=limit)

@@ -22,6 +22,7 @@ from specdecode.drafters.self_spec.skip import skip_layers
 
 class SelfSpecDrafter(DraftModelDrafter):
     name: ClassVar[str] = "self"
+    draft_cost_prior: ClassVar[float] = 0.5  # about half the target's layers
 
     def __init__(self, target: Decoder, skip: Sequence[int] | None, capacity: int,
                  confidence: float = 0.0) -> None:
