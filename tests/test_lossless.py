@@ -9,10 +9,9 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from tests.conftest import spec_k
+from tests.methods import SPEC_METHODS
 
 SEEDS = range(6)
-# Every speculative method; each must reproduce plain greedy decoding token for token.
-SPEC_METHODS = ["ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self"]
 
 
 def _prompt(seed: int) -> str:
@@ -23,9 +22,9 @@ def _prompt(seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_pair):
+def llm(tiny_pair, tiny_pair_heads):
     target, draft = tiny_pair
-    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False)
+    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False, **tiny_pair_heads)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +54,10 @@ def test_greedy_identity(llm, method, k):
 
 
 @pytest.fixture(scope="module")
-def int8_llm(tiny_pair):
+def int8_llm(tiny_pair, tiny_pair_heads):
     target, draft = tiny_pair
-    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False, quantize="int8")
+    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False, quantize="int8",
+               **tiny_pair_heads)
 
 
 @pytest.mark.parametrize("method", SPEC_METHODS)
@@ -127,11 +127,11 @@ def test_stop_string_cuts_output_like_plain_decoding(llm, method):
     assert out.finish_reason == "stop"
 
 
-def test_eos_stops_generation(tiny_pair):
+def test_eos_stops_generation(tiny_pair, tiny_pair_heads):
     from tests.conftest import EOS_ID
 
     target, draft = tiny_pair
-    llm = LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False)
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False, **tiny_pair_heads)
     # Make EOS the most likely token everywhere: plain and speculative both stop right after it.
     head = llm.target.lm_head.clone()  # the loaded one is memory-mapped from the cache
     head[EOS_ID] = 0
@@ -199,11 +199,11 @@ def test_lookahead_settings_keep_identity(llm, window, ngram, candidates):
 
 
 @pytest.mark.parametrize("method", SPEC_METHODS)
-def test_context_limit_is_exact(tiny_pair, method):
+def test_context_limit_is_exact(tiny_pair, tiny_pair_heads, method):
     """At a full context every method stops where plain decoding stops, with the same tokens (a
     step's drafts plus its extra token must fit; a tree is also cut to the cache's room)."""
     target, draft = tiny_pair
-    llm = LLM(model=str(target), draft=str(draft), max_seq_len=60, progress=False)
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=60, progress=False, **tiny_pair_heads)
     params = SamplingParams(max_tokens=200, ignore_eos=True)
     prompt = "ab ab ab ab ab ab ab ab ab ab ab"
     plain = llm.generate(prompt, params, method="none")[0]

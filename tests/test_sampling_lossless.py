@@ -18,6 +18,7 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.sample.sampling import logits_to_probs
 from tests.conftest import spec_k
+from tests.methods import SPEC_METHODS
 
 TRIALS = 1500
 
@@ -95,10 +96,10 @@ def assert_sampled_joint_is_exact(llm: LLM, ids: list[int], drafter, k: int = 2,
     assert stat < chi2_critical(dof), f"chi2 {stat:.1f} with {dof} dof"
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "combined", "tree", "lookahead", "suffix", "self"])
-def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, method):
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, tiny_pair_heads, method):
     target, draft = tiny_pair
-    llm = LLM(model=str(target), draft=str(draft), max_seq_len=300, progress=False)
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=300, progress=False, **tiny_pair_heads)
     ids = _prompt_with_likely_continuations(llm, SamplingParams(max_tokens=3, temperature=1.0, top_k=3))
     assert_sampled_joint_is_exact(llm, ids, llm.drafter(method))
 

@@ -11,13 +11,14 @@ from specdecode.params import SamplingParams
 from specdecode.errors import PromptTooLongError, ServerBusyError
 from specdecode.server.scheduler import Scheduler
 from tests.conftest import spec_k
+from tests.methods import SPEC_METHODS
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_pair):
+def llm(tiny_pair, tiny_pair_heads):
     target, draft = tiny_pair
     return LLM(model=str(target), draft=str(draft), method="draft_model", num_speculative_tokens=4,
-               max_seq_len=256, progress=False)
+               max_seq_len=256, progress=False, **tiny_pair_heads)
 
 
 def _prompts(llm: LLM, n: int) -> list[list[int]]:
@@ -46,7 +47,7 @@ def _run_concurrently(scheduler: Scheduler, prompts, params):
         scheduler.close()
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "combined", "tree", "lookahead", "suffix", "self"])
+@pytest.mark.parametrize("method", ["none", *SPEC_METHODS])
 def test_concurrent_requests_equal_solo_greedy(llm, method):
     prompts = _prompts(llm, 6)
     params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(6)]

@@ -21,7 +21,7 @@ from specdecode.errors import InvalidConstraintError, InvalidSamplingParamsError
 from specdecode.sample.grammar import _unpack
 from specdecode.sample.sampling import logits_to_probs
 from tests.conftest import EOS_ID, TINY_VOCAB, spec_k
-from tests.test_lossless import SPEC_METHODS
+from tests.methods import SPEC_METHODS
 from tests.test_sampling_lossless import chi2_critical
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -39,9 +39,9 @@ PROMPTS = ["hello {", "x = [1, 2", "def f(a):\n    return a + a"]
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_pair):
+def llm(tiny_pair, tiny_pair_heads):
     target, draft = tiny_pair
-    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False)
+    return LLM(model=str(target), draft=str(draft), max_seq_len=512, progress=False, **tiny_pair_heads)
 
 
 def _greedy(constraint: Constraint, n: int = 48, logprobs: int | None = None) -> SamplingParams:

