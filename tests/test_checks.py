@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from specdecode.cli import main
+from specdecode.files import specdecode_home
 from specdecode.models import catalog, checks, verify_model
-from specdecode.models.catalog import CatalogEntry, is_converted, pull, resolve_model, specdecode_home
+from specdecode.models.catalog import CatalogEntry, is_converted, pull, resolve_model
 from specdecode.models.checks import Record, State
 from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
 from specdecode.models.gguf_load import native_weights
