@@ -51,8 +51,7 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
     file, so the parts are joined once into ``$SPECDECODE_HOME/peers/gguf/`` (atomically).
     """
     from specdecode.errors import UnsupportedModelError
-    from specdecode.models.gguf_convert import join_parts
-    from specdecode.models.gguf_native import gguf_sources
+    from specdecode.models.gguf_convert import gguf_sources, join_parts
 
     try:
         sources = gguf_sources(model_dir)

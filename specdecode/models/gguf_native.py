@@ -201,20 +201,3 @@ def write_atomic(target: Path, arrays: Iterator[tuple[str, np.ndarray]], metadat
 
 
 _ST_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32", np.dtype(np.int8): "I8"}
-
-
-def gguf_sources(folder: Path) -> list[Path]:
-    """The GGUF file(s) a converted model folder came from (its conversion marker lists them)."""
-    from specdecode.models.gguf_convert import MARKER_NAME
-
-    marker = Path(folder) / MARKER_NAME
-    try:
-        sources = [Path(s) for s in json.loads(marker.read_text())["sources"]]
-    except (OSError, ValueError, KeyError):
-        raise UnsupportedModelError(f"{folder} was not converted from a GGUF file, so it has no native form; "
-                                    "use --quantize none (or int8)") from None
-    missing = [s for s in sources if not s.is_file()]
-    if missing:
-        raise UnsupportedModelError(f"the GGUF source of {folder} is gone ({missing[0]}); reinstall it or use "
-                                    "--quantize none")
-    return sources
