@@ -14,7 +14,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import UnsupportedModelError
-from specdecode.models import gguf_native, native
+from specdecode.models import gguf_native, kernel_build
 from tests.gguf_blocks import F16_FIELDS, NATIVE, dequantized, random_blocks, write_model_gguf
 
 # Activations are quantized to int8 per block of 32 or 256 (scale = max / 127), so a dot product
@@ -32,7 +32,7 @@ def _weight(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[gguf_nat
 
 def _builds() -> list[object]:
     """Every build of the GGUF kernel this CPU runs: portable, AVX2, and VNNI where it has it."""
-    return [native.load_gguf(isa) for isa in native.gguf_isas()]
+    return [kernel_build.load_gguf(isa) for isa in kernel_build.gguf_isas()]
 
 
 @pytest.mark.parametrize("type_name", NATIVE)
@@ -71,7 +71,7 @@ def test_rows_bitwise_invariant_and_builds_agree(type_name: str) -> None:
 def test_multi_part_call_equals_separate_calls() -> None:
     parts = [_weight(t, out, 512, seed=i)[0] for i, (t, out) in enumerate([("Q4_K", 64), ("Q4_K", 16), ("Q6_K", 16)])]
     x = torch.randn(3, 512)
-    kernel = native.load_gguf()
+    kernel = kernel_build.load_gguf()
     fused = kernel.linear_gguf(x, [p.part for p in parts])
     assert torch.equal(fused, torch.cat([kernel.linear_gguf(x, [p.part]) for p in parts], dim=1))
 
@@ -109,17 +109,17 @@ def test_the_default_build_is_the_fastest_this_cpu_runs(monkeypatch) -> None:
     monkeypatch.delenv("SPECDECODE_AVX512", raising=False)
     monkeypatch.delenv("SPECDECODE_GGUF_ISA", raising=False)
     monkeypatch.delenv("SPECDECODE_GGUF_PORTABLE", raising=False)
-    cpu = native._cpu_flags()
-    if native.cpu_has_avx2_fma() and ({"avx512f", "avx512vl", "avx512_vnni"} <= cpu or "avx_vnni" in cpu):
-        assert native.gguf_isas()[-1] == "vnni"
-    assert native.load_gguf().isa() == native.gguf_isa() == native.gguf_isas()[-1]
+    cpu = kernel_build._cpu_flags()
+    if kernel_build.cpu_has_avx2_fma() and ({"avx512f", "avx512vl", "avx512_vnni"} <= cpu or "avx_vnni" in cpu):
+        assert kernel_build.gguf_isas()[-1] == "vnni"
+    assert kernel_build.load_gguf().isa() == kernel_build.gguf_isa() == kernel_build.gguf_isas()[-1]
     monkeypatch.setenv("SPECDECODE_GGUF_ISA", "portable")
-    assert native.gguf_isa() == "portable"
+    assert kernel_build.gguf_isa() == "portable"
     monkeypatch.setenv("SPECDECODE_GGUF_ISA", "avx9")
     with pytest.raises(UnsupportedModelError, match="SPECDECODE_GGUF_ISA=avx9 is not a GGUF kernel build"):
-        native.gguf_isa()
+        kernel_build.gguf_isa()
     with pytest.raises(ValueError, match="unknown GGUF kernel build 'avx9'"):
-        native.gguf_flags("avx9")
+        kernel_build.gguf_flags("avx9")
 
 
 def test_a_failed_default_vnni_build_falls_back_to_avx2(monkeypatch, capsys) -> None:
@@ -133,9 +133,9 @@ def test_a_failed_default_vnni_build_falls_back_to_avx2(monkeypatch, capsys) -> 
             raise UnsupportedModelError("the native GGUF kernel is unavailable: building it failed")
         return f"{isa} build"
 
-    unwrapped = native.load_gguf.__wrapped__
-    monkeypatch.setattr(native, "load_gguf", load)
-    monkeypatch.setattr(native, "gguf_isa", lambda: "vnni")
+    unwrapped = kernel_build.load_gguf.__wrapped__
+    monkeypatch.setattr(kernel_build, "load_gguf", load)
+    monkeypatch.setattr(kernel_build, "gguf_isa", lambda: "vnni")
     monkeypatch.delenv("SPECDECODE_GGUF_ISA", raising=False)
     assert unwrapped() == "avx2 build" and calls == ["vnni", "avx2"]
     assert "VNNI build failed, using its AVX2 build" in capsys.readouterr().err
@@ -183,7 +183,7 @@ def test_extreme_activations_and_zero_rows() -> None:
     x = torch.zeros(3, 256)
     x[1] = 1e30
     x[2, ::2] = -1e-30
-    y = native.load_gguf().linear_gguf(x, [w.part])
+    y = kernel_build.load_gguf().linear_gguf(x, [w.part])
     assert torch.equal(y[0], torch.zeros(8)) and torch.isfinite(y).all()
     want = x[1].double() @ torch.from_numpy(ref).T.double()
     assert ((y[1].double() - want).norm() / want.norm()) < REL_TOL

@@ -71,9 +71,10 @@ class GGUFWeight:
 
     def rows(self, ids: Tensor) -> Tensor:
         """Float32 rows ``ids`` [N] -> [N, in]: an embedding lookup."""
-        from specdecode.models import native
+        from specdecode.models import kernel_build
 
-        return native.load_gguf().dequantize_rows(self.type_id, self.out, self.inp, self.part[2], ids.reshape(-1).long())
+        return kernel_build.load_gguf().dequantize_rows(self.type_id, self.out, self.inp, self.part[2],
+                                                        ids.reshape(-1).long())
 
     def dequantize(self) -> Tensor:
         return self.rows(torch.arange(self.out))

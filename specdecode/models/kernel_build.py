@@ -1,17 +1,17 @@
-"""The native batch-invariant linear kernel: compiled once on first use, optional.
+"""Builds and loads the C++ kernels in ``csrc/``: their compiler flags, build folders and fallbacks.
 
-``csrc/linear_rows.cpp`` computes ``x @ w.T`` so that a row's bits never depend on how many rows
-share the call, at GEMV speed for one row (see the file's header). It is built with the system
-C++ compiler through ``torch.utils.cpp_extension`` into ``$SPECDECODE_HOME/kernels`` (or
-``$SPECDECODE_KERNELS``) the first time a model loads (about 30 s), then loaded from there. It
-is built for AVX-512 where the CPU has it (``SPECDECODE_AVX512=0`` forces the AVX2 build).
-Where it cannot be built or run (no compiler, no AVX2), ``load()`` returns None once with a
-warning and the decoder uses its portable torch path, which is exact too but slower.
+``csrc/linear_rows.cpp``, the batch-invariant linear kernel (optional), computes ``x @ w.T`` so that
+a row's bits never depend on how many rows share the call, at GEMV speed for one row (see the file's
+header). It is built with the system C++ compiler through ``torch.utils.cpp_extension`` into
+``$SPECDECODE_HOME/kernels`` (or ``$SPECDECODE_KERNELS``) the first time a model loads (about 30 s),
+then loaded from there. It is built for AVX-512 where the CPU has it (``SPECDECODE_AVX512=0`` forces
+the AVX2 build). Where it cannot be built or run (no compiler, no AVX2), ``load()`` returns None
+once with a warning and the decoder uses its portable torch path, which is exact too but slower.
 ``csrc/linear_int4.cpp``, the int4 draft kernel, is built the same way on first use of an int4
 draft: for AVX-512 VNNI where the CPU has it, else for AVX2 (``int4_flags()``). The GGUF kernel
 (``csrc/linear_gguf.cpp``) has three builds with the same bits, portable, AVX2 and VNNI
-(``gguf_isas()``); it uses the fastest the CPU runs unless ``SPECDECODE_GGUF_ISA`` names one.
-Builds hold a ``flock`` on their folder, so a build killed midway never blocks the next.
+(``gguf_isas()``); it uses the fastest the CPU runs unless ``SPECDECODE_GGUF_ISA`` names one. Builds
+hold a ``flock`` on their folder, so a build killed midway never blocks the next.
 """
 
 from __future__ import annotations
