@@ -21,7 +21,7 @@ import torch
 
 from specdecode.models import gguf_load, kernel_build
 from specdecode.models.catalog import CATALOG, find_weight_files
-from specdecode.models.gguf_native import GGUFWeight
+from specdecode.models.gguf_planes import GGUFWeight
 
 
 def best_of_three(kernel, ws: list[GGUFWeight], xs: dict[int, torch.Tensor]) -> float:  # noqa: ANN001

@@ -14,7 +14,7 @@ from specdecode.models.catalog import CatalogEntry, is_converted, pull, resolve_
 from specdecode.models.checks import Record, State
 from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
 from specdecode.models.gguf_load import native_weights
-from specdecode.models.gguf_native import cache_path
+from specdecode.models.gguf_planes import cache_path
 from test_catalog import count_conversions, home, tiny_entry  # noqa: F401 - fixtures
 from test_files import _dead_pid
 

@@ -128,7 +128,7 @@ def list_models() -> list[ModelInfo]:
 
 
 def _cached_forms(files: list[Path], folder: Path) -> tuple[str, ...]:
-    from specdecode.models.gguf_native import cache_path
+    from specdecode.models.gguf_planes import cache_path
 
     forms = []
     if files and cache_path(files, specdecode_home()).is_file():

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from specdecode.models.gguf_native import GGUFLinear
+    from specdecode.models.gguf_planes import GGUFLinear
     from specdecode.models.quant import Int8Rows
 
 KEY_BLOCK = 128  # keys per attention block; below any BLAS K-blocking, so one block = one pass

@@ -122,7 +122,7 @@ def linear_draft(x: Tensor, w: Any) -> Tensor:
 
 def _many_rows(x: Tensor, w: Any) -> Tensor:
     from specdecode.models import kernels
-    from specdecode.models.gguf_native import GGUFLinear
+    from specdecode.models.gguf_planes import GGUFLinear
 
     if isinstance(w, GGUFLinear):
         return kernels.linear_gguf(x, w)

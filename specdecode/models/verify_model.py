@@ -54,7 +54,7 @@ def verify(name: str, progress: bool = True) -> list[Finding]:
     sources = _source_files(entry)
     derived = [("float32", folder / "model.safetensors")]
     if sources:
-        from specdecode.models.gguf_native import cache_path
+        from specdecode.models.gguf_planes import cache_path
 
         derived.append(("native", cache_path(sources, specdecode_home())))
     derived += [("packed", p) for p in sorted((specdecode_home() / "packed").glob(f"{folder.name}-*.safetensors"))]

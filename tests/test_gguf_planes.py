@@ -14,7 +14,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import UnsupportedModelError
-from specdecode.models import gguf_native, kernel_build
+from specdecode.models import gguf_planes, kernel_build
 from tests.gguf_blocks import F16_FIELDS, NATIVE, dequantized, random_blocks, write_model_gguf
 
 # Activations are quantized to int8 per block of 32 or 256 (scale = max / 127), so a dot product
@@ -24,10 +24,10 @@ from tests.gguf_blocks import F16_FIELDS, NATIVE, dequantized, random_blocks, wr
 REL_TOL = 0.02
 
 
-def _weight(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[gguf_native.GGUFWeight, np.ndarray, np.ndarray]:
+def _weight(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[gguf_planes.GGUFWeight, np.ndarray, np.ndarray]:
     raw = random_blocks(np.random.default_rng(seed), type_name, out, inp)
-    planes = {k: torch.from_numpy(v) for k, v in gguf_native.repack(raw, type_name, out, inp).items()}
-    return gguf_native.weight_from_planes(type_name, out, inp, planes), raw, dequantized(raw, type_name, out, inp)
+    planes = {k: torch.from_numpy(v) for k, v in gguf_planes.repack(raw, type_name, out, inp).items()}
+    return gguf_planes.weight_from_planes(type_name, out, inp, planes), raw, dequantized(raw, type_name, out, inp)
 
 
 def _builds() -> list[object]:
@@ -154,7 +154,7 @@ EXTREME_FILLS = [("all 0xFF", lambda size: [0xFF] * size), ("all 0x80", lambda s
 def test_extreme_blocks_and_activations_agree_across_builds(type_name: str) -> None:
     """The builds' integer steps agree where saturation could part them: largest weights against
     activations quantized to +-127 (rows of +-1, alternating, and one spike per block)."""
-    block, size = next((b, s) for n, b, s in gguf_native.TYPES.values() if n == type_name)
+    block, size = next((b, s) for n, b, s in gguf_planes.TYPES.values() if n == type_name)
     raw = random_blocks(np.random.default_rng(3), type_name, 8, 512)
     x = torch.ones(4, 512)
     x[1] = -1.0
@@ -169,8 +169,8 @@ def test_extreme_blocks_and_activations_agree_across_builds(type_name: str) -> N
         for off in F16_FIELDS[type_name]:
             keep[off : off + 2] = True
         blocks[..., ~keep] = bytes_[~keep]
-        planes = {k: torch.from_numpy(v) for k, v in gguf_native.repack(blocks.reshape(8, -1), type_name, 8, 512).items()}
-        w = gguf_native.weight_from_planes(type_name, 8, 512, planes)
+        planes = {k: torch.from_numpy(v) for k, v in gguf_planes.repack(blocks.reshape(8, -1), type_name, 8, 512).items()}
+        w = gguf_planes.weight_from_planes(type_name, 8, 512, planes)
         ref = torch.from_numpy(dequantized(blocks.reshape(8, -1), type_name, 8, 512))
         results = [build.linear_gguf(x, [w.part]) for build in _builds()]
         assert all(torch.equal(results[0], r) for r in results[1:]), (type_name, label)
@@ -191,9 +191,9 @@ def test_extreme_activations_and_zero_rows() -> None:
 
 def test_unsupported_type_names_tensor_and_fallback() -> None:
     with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up\.weight.*Q2_K.*--quantize none"):
-        gguf_native.check_type("blk.0.ffn_up.weight", "Q2_K", 256)
+        gguf_planes.check_type("blk.0.ffn_up.weight", "Q2_K", 256)
     with pytest.raises(UnsupportedModelError, match="not whole Q4_K blocks"):
-        gguf_native.check_type("blk.0.ffn_up.weight", "Q4_K", 896)
+        gguf_planes.check_type("blk.0.ffn_up.weight", "Q4_K", 896)
 
 
 def test_truncated_gguf_is_a_named_error(tmp_path: Path) -> None:
@@ -222,7 +222,7 @@ def native_llm(tmp_path_factory) -> LLM:
 
 def test_native_is_the_default_for_gguf_sources(native_llm: LLM) -> None:
     assert native_llm.quantize == "native"
-    assert all(isinstance(w, gguf_native.GGUFLinear) for w in (native_llm.target.layers[0].qkv, native_llm.target.lm_head))
+    assert all(isinstance(w, gguf_planes.GGUFLinear) for w in (native_llm.target.layers[0].qkv, native_llm.target.lm_head))
 
 
 def test_native_model_matches_its_dequantized_weights(native_llm: LLM) -> None:

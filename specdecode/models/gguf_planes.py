@@ -1,4 +1,4 @@
-"""GGUF weights run as shipped: quantized tensors repacked losslessly into the planes the native
+"""GGUF weights run as shipped: quantized tensors repacked losslessly into the planes the GGUF
 kernel reads (``csrc/linear_gguf.cpp``), cached on disk and memory-mapped.
 
 Why a repack and not the raw blocks: a GGUF block interleaves fp16 scales, packed 6-bit scales
