@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from specdecode.errors import UnsupportedModelError
+from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
@@ -37,8 +38,6 @@ _CHUNK = 64 << 20
 
 def source_folder(model_dir: Path, progress: bool = True) -> Path:
     """``model_dir`` with its float safetensors present (dequantized from its GGUF if need be)."""
-    from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
-
     model_dir = Path(model_dir)
     if (model_dir / MARKER_NAME).is_file():
         write_float_weights(model_dir, progress=progress)
