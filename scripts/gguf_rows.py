@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from specdecode.models import gguf_load, native
+from specdecode.models import gguf_load, kernel_build
 from specdecode.models.catalog import CATALOG, find_weight_files
-from specdecode.models.gguf_native import GGUFWeight
+from specdecode.models.gguf_planes import GGUFWeight
 
 
 def best_of_three(kernel, ws: list[GGUFWeight], xs: dict[int, torch.Tensor]) -> float:  # noqa: ANN001
@@ -40,15 +40,15 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,9,12,16", help="row counts (default: %(default)s)")
     ap.add_argument("--by-type", action="store_true", help="one line per quantization type")
     ap.add_argument("--isa", default=None, help="kernel builds to compare, comma-separated "
-                    f"(of {', '.join(native.GGUF_ISAS)}; default: the one models use here)")
+                    f"(of {', '.join(kernel_build.GGUF_ISAS)}; default: the one models use here)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds; lines show medians (default: %(default)s)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    isas = args.isa.split(",") if args.isa else [native.gguf_isa()]
-    unknown = sorted(set(isas) - set(native.gguf_isas()))
+    isas = args.isa.split(",") if args.isa else [kernel_build.gguf_isa()]
+    unknown = sorted(set(isas) - set(kernel_build.gguf_isas()))
     if unknown:
-        ap.error(f"this CPU cannot run {', '.join(unknown)}; it runs {', '.join(native.gguf_isas())}")
+        ap.error(f"this CPU cannot run {', '.join(unknown)}; it runs {', '.join(kernel_build.gguf_isas())}")
     sources = find_weight_files(CATALOG[args.model]) if args.model in CATALOG else [Path(args.model)]
     weights = gguf_load.native_weights(sources)
     groups: dict[str, list[GGUFWeight]] = {}
@@ -57,7 +57,7 @@ def main() -> None:
             groups.setdefault(w.type_name if args.by_type else "all", []).append(w)
     if "lm_head.weight" not in weights and not args.by_type:  # tied: the head reads the embedding
         groups["all"].append(weights["model.embed_tokens.weight"])
-    kernels = {isa: native.load_gguf(isa) for isa in isas}
+    kernels = {isa: kernel_build.load_gguf(isa) for isa in isas}
     rows = [int(r) for r in args.rows.split(",")]
     print(f"{torch.get_num_threads()} threads, {args.rounds} round(s)")
     for label, ws in groups.items():

@@ -20,7 +20,7 @@ import torch
 from torch.utils import cpp_extension
 
 from specdecode.models.catalog import resolve_model
-from specdecode.models import native
+from specdecode.models import kernel_build
 from specdecode.models.decoder import Decoder
 
 
@@ -47,7 +47,7 @@ def main() -> None:
                         "and print GFLOP/s too (e.g. 8192x1536: whether rows are bound by memory or compute)")
     p.add_argument("--build-dir", type=Path, default=Path("/tmp/specdecode-kernel-ab"))
     args = p.parse_args()
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"] if args.avx2 else native.compile_flags()
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"] if args.avx2 else kernel_build.compile_flags()
     kernels = {str(s): build(s, args.build_dir, flags) for s in args.sources}
     if args.shape:
         out, inp = (int(v) for v in args.shape.lower().split("x"))

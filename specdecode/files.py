@@ -12,6 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def specdecode_home() -> Path:
+    """Where every cache lives: ``$SPECDECODE_HOME`` or ``~/.cache/specdecode``, read at call time so
+    tests can redirect it."""
+    return Path(os.environ.get("SPECDECODE_HOME") or "~/.cache/specdecode").expanduser()
+
+
 @contextmanager
 def file_lock(path: Path, what: str, progress: bool = True) -> Iterator[bool]:
     """Hold an exclusive lock on ``path`` (created if absent) while the block runs; yields whether

@@ -43,7 +43,7 @@ class DraftProposal:
     follows the last committed token; parents come before their children. Siblings are
     alternative guesses for the same position: the target verifies every branch in one forward
     and keeps the longest valid path. A tree must be deterministic (``probs`` None): the exact
-    sampling rule for several candidates per position (``verify_tree``) needs point masses.
+    sampling rule for several candidates per position (``verify_tree_rejection``) needs point masses.
     """
 
     tokens: Tensor  # [K] int64, K may be 0 (nothing to propose this step)

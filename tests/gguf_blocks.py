@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from specdecode.models.gguf_native import TYPES
+from specdecode.models.gguf_planes import TYPES
 
 # Byte offsets of each type's fp16 fields within its block.
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],

@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from specdecode.models import native
+from specdecode.models import kernel_build
 
 SHAPES = [(12, 2, 128), (4, 2, 16), (8, 8, 64), (6, 1, 24)]  # (query heads, kv heads, head dim)
 
 
 def _builds() -> list[object]:
-    builds = [native.load_attention(portable=True)]
-    if native.cpu_has_avx2_fma():
-        builds.append(native.load_attention(portable=False))
+    builds = [kernel_build.load_attention(portable=True)]
+    if kernel_build.cpu_has_avx2_fma():
+        builds.append(kernel_build.load_attention(portable=False))
     return builds
 
 

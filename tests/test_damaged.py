@@ -11,7 +11,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import NonFiniteLogitsError, UnsupportedModelError
-from specdecode.models.catalog import specdecode_home
+from specdecode.files import specdecode_home
 from tests.gguf_blocks import write_model_gguf
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

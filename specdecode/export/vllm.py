@@ -33,9 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.errors import InvalidConfigError
+from specdecode.export.model_files import source_folder, write_model_folder
+from specdecode.heads.eagle3_format import load_head_for, save_eagle3
+from specdecode.heads.folders import write_folder
+from specdecode.heads.medusa_format import load_medusa_for, save_medusa
+from specdecode.models.config import ModelConfig, config_fingerprint
 
 VLLM_VERSION = "0.32.0"  # the version the export was checked against (docs/SCALING.md; Makefile's `peers`)
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 EXPORT_FILE = "export.json"
 CONFIG_FILE = "speculative_config.json"
 SCRIPT_FILE = "serve.sh"
@@ -179,9 +183,6 @@ def write_export(plan: ExportPlan, out: Path, command: str, progress: bool = Tru
     """Write the whole folder under a temporary name and swap it into ``out``: a failed export
     leaves the previous one (or nothing), never half of one. An ``out`` that holds anything but an
     earlier export is refused rather than replaced."""
-    from specdecode.export.model_files import source_folder, write_model_folder
-    from specdecode.heads.folders import write_folder
-
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_export(out))):
         raise InvalidConfigError(f"--out {out} exists and is not an earlier export; name a new or empty folder")
@@ -222,19 +223,13 @@ def is_export(folder: Path) -> bool:
 def _write_head(plan: ExportPlan, dest: Path) -> None:
     """The head re-written in the layout vLLM loads: EAGLE-3 as a speculators folder naming the
     exported target as its verifier; Medusa in vLLM's own names (``heads.medusa_format``)."""
-    from specdecode.models.config import ModelConfig, config_fingerprint
-
     assert plan.head is not None
     target = ModelConfig.from_dir(plan.target)
     fingerprint = config_fingerprint(plan.target)
     if plan.method == "eagle":
-        from specdecode.heads.eagle3_format import load_head_for, save_eagle3
-
         head = load_head_for(plan.head, target, plan.target)
         save_eagle3(head, dest, "speculators", target_name="./target", target_architecture=target.architecture,
                     target_fingerprint=fingerprint, num_speculative_tokens=plan.k or DEFAULT_VLLM_K)
     else:
-        from specdecode.heads.medusa_format import load_medusa_for, save_medusa
-
         heads = load_medusa_for(plan.head, target, plan.target)
         save_medusa(heads, dest, target_name=plan.target_name, target_fingerprint=fingerprint)

@@ -22,8 +22,8 @@ from specdecode.models.cache import KVCache
 from specdecode.errors import InvalidConfigError
 from specdecode.models import kernels, quant
 from specdecode.models.config import ModelConfig
-from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
-from specdecode.models.gguf_native import GGUFLinear, GGUFWeight, gguf_sources
+from specdecode.models.gguf_convert import MARKER_NAME, gguf_sources, write_float_weights
+from specdecode.models.gguf_planes import GGUFLinear, GGUFWeight
 from specdecode.models.packed import load_packed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -132,12 +132,12 @@ class Decoder:
         """The GGUF in ``sources`` (a file, or byte parts in order) run natively: its quantized
         matrices through ``kernels.linear_gguf`` (batch-invariant for every row count, prefills
         included), activations and attention in float32."""
-        from specdecode.models import gguf_load, native
+        from specdecode.models import gguf_load, kernel_build
 
         if dtype != "float32":
             raise InvalidConfigError(f"native GGUF weights compute in float32 activations, not {dtype!r}")
-        native.load_gguf()  # built (or refused, by name) now rather than at the first forward
-        native.load_attention()
+        kernel_build.load_gguf()  # built (or refused, by name) now rather than at the first forward
+        kernel_build.load_attention()
         packed = gguf_load.decoder_weights(gguf_load.native_weights(sources, progress), config)
         model = cls(config, packed, torch.float32, batch_invariant)
         model._linear = kernels.LinearKernel(kernels.linear_gguf, invariant=True)
@@ -440,9 +440,9 @@ def _chain_keys(start: int, n: int, group: int, dtype: torch.dtype) -> tuple[int
 def _pick_linear(dtype: torch.dtype, batch_invariant: bool, use_native: bool | None) -> kernels.LinearKernel:
     """The native kernel when it can run; else the portable invariant path (or, for a draft
     model whose numerics never affect exactness, plain ``F.linear``)."""
-    from specdecode.models import native
+    from specdecode.models import kernel_build
 
-    if use_native is not False and dtype == torch.float32 and native.load() is not None:
+    if use_native is not False and dtype == torch.float32 and kernel_build.load() is not None:
         return kernels.LinearKernel(kernels.linear_invariant, invariant=True)
     if batch_invariant:
         return kernels.LinearKernel(kernels.linear_invariant_portable, invariant=True)

@@ -78,6 +78,21 @@ def read_gguf_metadata(path: Path, include_arrays: bool = False) -> dict[str, An
     return _metadata(reader, include_arrays)
 
 
+def gguf_sources(folder: Path) -> list[Path]:
+    """The GGUF file(s) a converted model folder came from (its conversion marker lists them)."""
+    marker = Path(folder) / MARKER_NAME
+    try:
+        sources = [Path(s) for s in json.loads(marker.read_text())["sources"]]
+    except (OSError, ValueError, KeyError):
+        raise UnsupportedModelError(f"{folder} was not converted from a GGUF file, so it has no native form; "
+                                    "use --quantize none (or int8)") from None
+    missing = [s for s in sources if not s.is_file()]
+    if missing:
+        raise UnsupportedModelError(f"the GGUF source of {folder} is gone ({missing[0]}); reinstall it or use "
+                                    "--quantize none")
+    return sources
+
+
 def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: bool = True,
                  float_weights: bool = True) -> Path:
     """Convert one GGUF (given whole, or as byte parts to concatenate in order) into ``out_dir``.
@@ -149,8 +164,6 @@ def write_float_weights(folder: Path, progress: bool = True) -> Path:
     """``folder/model.safetensors`` (float32) from the GGUF the folder was converted from, unless
     it is there already and intact (``checks``); written to a temporary name and renamed, so it is
     whole or absent."""
-    from specdecode.models.gguf_native import gguf_sources
-
     target = Path(folder) / "model.safetensors"
     crashed = bool(remove_stale_partials(Path(folder)))
     if target.is_file():

@@ -1,7 +1,7 @@
 """Load a GGUF model natively: the decoder's weights as ``GGUFWeight`` planes, not float copies.
 
 ``native_weights(sources)`` repacks the GGUF once into ``$SPECDECODE_HOME/native/`` (see
-``gguf_native.py``) and memory-maps the result on every later load; ``decoder_weights`` then
+``gguf_planes.py``) and memory-maps the result on every later load; ``decoder_weights`` then
 arranges them the way ``Decoder`` wants (q|k|v and gate|up as one multi-part linear each). The
 tensor names and shapes are checked by the same plan as the float conversion, so both forms
 describe the same model.
@@ -20,10 +20,10 @@ from safetensors import safe_open
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
-from specdecode.files import partial_path, remove_stale_partials
-from specdecode.models import checks, gguf_convert, gguf_native
+from specdecode.files import partial_path, remove_stale_partials, specdecode_home
+from specdecode.models import checks, gguf_convert, gguf_planes
 from specdecode.models.config import ModelConfig
-from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
+from specdecode.models.gguf_planes import GGUFLinear, GGUFWeight
 
 NativeWeights = dict[str, "Tensor | GGUFWeight"]
 
@@ -32,10 +32,8 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
     """HF-named weights of the GGUF in ``sources`` (one file, or byte parts in order): quantized
     matrices as ``GGUFWeight``, the rest float32. Repacked on first use, then memory-mapped; a cache
     whose size (or, after a crash, checksum) differs from its record is repacked."""
-    from specdecode.models.catalog import specdecode_home
-
     sources = [Path(s) for s in sources]
-    cached = gguf_native.cache_path(sources, specdecode_home())
+    cached = gguf_planes.cache_path(sources, specdecode_home())
     crashed = bool(remove_stale_partials(cached.parent))
     refused = cached.with_suffix(".unsupported")  # remembers why a file cannot run natively
     if refused.is_file():
@@ -77,10 +75,10 @@ def _build(sources: list[Path], cached: Path, progress: bool) -> None:
         jobs = gguf_convert._plan_tensors(tensors, config, arch)
         for job in jobs:
             if len(job.shape) == 2:
-                gguf_native.check_type(job.tensor.name, job.tensor.tensor_type.name, job.shape[1])
+                gguf_planes.check_type(job.tensor.name, job.tensor.tensor_type.name, job.shape[1])
         records: dict[str, list[object]] = {}
-        gguf_native.write_atomic(cached, _arrays(jobs, records, progress),
-                                 lambda: {"repack_version": str(gguf_native.REPACK_VERSION),
+        gguf_planes.write_atomic(cached, _arrays(jobs, records, progress),
+                                 lambda: {"repack_version": str(gguf_planes.REPACK_VERSION),
                                           "weights": json.dumps(records)})
     finally:
         joined.unlink(missing_ok=True)
@@ -93,11 +91,11 @@ def _arrays(jobs: list, records: dict[str, list[object]], progress: bool) -> Ite
 
     for job in tqdm(jobs, desc="repacking GGUF", unit="tensor", file=sys.stderr, disable=not progress):
         type_name = job.tensor.tensor_type.name
-        if len(job.shape) == 1 or type_name in gguf_native.FLOAT_TYPES:
+        if len(job.shape) == 1 or type_name in gguf_planes.FLOAT_TYPES:
             yield f"{job.hf_name}", gguf_convert.dequantize_tensor(job.tensor, job.shape, job.unpermute_heads)
             continue
         out, inp = job.shape
-        planes = gguf_native.repack(np.asarray(job.tensor.data), type_name, out, inp)
+        planes = gguf_planes.repack(np.asarray(job.tensor.data), type_name, out, inp)
         if job.unpermute_heads is not None:  # rows are quantized independently: permuting them is exact
             planes = {k: gguf_convert.unpermute_qk(v, job.unpermute_heads) for k, v in planes.items()}
         records[job.hf_name] = [type_name, out, inp]
@@ -119,7 +117,7 @@ def _read(cached: Path) -> NativeWeights:
             else:
                 out[name] = f.get_tensor(name)
     for hf, (type_name, o, i) in records.items():
-        out[hf] = gguf_native.weight_from_planes(type_name, o, i, planes[hf])
+        out[hf] = gguf_planes.weight_from_planes(type_name, o, i, planes[hf])
     return out
 
 

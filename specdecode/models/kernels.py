@@ -4,7 +4,7 @@ Why: speculative decoding verifies K drafts in one forward of K+1 rows, while pl
 one row at a time. If a row rounded differently in the two cases, a near-tie in the logits could
 flip the argmax and the "lossless" output would drift from plain decoding.
 
-Linear layers take weights ``[out, in]``. The fast path is the native kernel (``native.py``),
+Linear layers take weights ``[out, in]``. The fast path is the native kernel (``kernel_build.py``),
 invariant for every row count including one. The portable torch path and attention rely on
 measurements (torch 2.13, fp32, MKL; ``python scripts/blas_invariance.py``): calls with fewer
 than ``MIN_GEMM_ROWS`` rows take small-matrix kernels that round differently (one row: GEMV; two
@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from specdecode.models import kernel_build
+
 if TYPE_CHECKING:
-    from specdecode.models.gguf_native import GGUFLinear
+    from specdecode.models.gguf_planes import GGUFLinear
     from specdecode.models.quant import Int8Rows
 
 KEY_BLOCK = 128  # keys per attention block; below any BLAS K-blocking, so one block = one pass
@@ -94,13 +96,11 @@ def linear_fast(x: Tensor, w: Tensor) -> Tensor:
 
 
 def linear_invariant(x: Tensor, w: Tensor, invariant: bool = False) -> Tensor:
-    """The native batch-invariant kernel (float32, AVX2; see ``native.py``); BLAS for prefills
+    """The native batch-invariant kernel (float32, AVX2; see ``kernel_build.py``); BLAS for prefills
     (more than ``PREFILL_ROWS`` rows) unless ``invariant`` insists."""
-    from specdecode.models import native
-
     if x.shape[0] > PREFILL_ROWS and not invariant:
         return torch.nn.functional.linear(x, w)
-    return native.load().linear_rows(x.contiguous(), w)
+    return kernel_build.load().linear_rows(x.contiguous(), w)
 
 
 def linear_int8_invariant(x: Tensor, w: "Int8Rows", invariant: bool = False) -> Tensor:
@@ -108,11 +108,9 @@ def linear_int8_invariant(x: Tensor, w: "Int8Rows", invariant: bool = False) -> 
     fly (invariant for every row count); a prefill dequantizes the matrix and takes BLAS, like
     ``linear_invariant``. Without the native kernel, the portable invariant path on the dequantized
     weights (exact, slow)."""
-    from specdecode.models import native
-
     if x.shape[0] > PREFILL_ROWS and not invariant:
         return torch.nn.functional.linear(x, w.dequantize())
-    kernel = native.load()
+    kernel = kernel_build.load()
     if kernel is None:
         return linear_invariant_portable(x, w.dequantize(), invariant)
     return kernel.linear_rows_int8(x.contiguous(), w.q, w.scale)
@@ -126,10 +124,8 @@ def linear_gguf(x: Tensor, w: "GGUFLinear", invariant: bool = False, *, norm: Te
     Fused in the same call, row by row: ``norm`` (RMS-normalize x with these weights and ``eps``
     first), ``glu`` (x is gate|up: multiply silu(gate) * up) and ``residual`` (added to the result).
     """
-    from specdecode.models import native
-
     pre = 1 if norm is not None else 2 if glu else 0
-    return native.load_gguf().linear_gguf(x.float().contiguous(), w.args, pre, norm, eps, residual)
+    return kernel_build.load_gguf().linear_gguf(x.float().contiguous(), w.args, pre, norm, eps, residual)
 
 
 def attention_rows(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
@@ -137,17 +133,13 @@ def attention_rows(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) ->
     row i sees keys 0..start+i of ``k``/``v`` [kv_heads, capacity, d], which already hold the rows'
     own. Each row is computed alone in a fixed order, so it is batch-invariant by construction.
     q: [N, Hq, d] -> [N, Hq*d]."""
-    from specdecode.models import native
-
-    return native.load_attention().attention_rows(q.contiguous(), k, v, start, scale)
+    return kernel_build.load_attention().attention_rows(q.contiguous(), k, v, start, scale)
 
 
 def rope_qkv(qkv: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, hq: int, hkv: int) -> Tensor:
     """``qkv + bias`` with ``apply_rope`` on its q and k heads, in one native call with the same
     bits (``csrc/attention_rows.cpp``). qkv: [N, (hq + 2 hkv) d]; cos/sin: [N, d]."""
-    from specdecode.models import native
-
-    return native.load_attention().rope_qkv(qkv, bias, cos.contiguous(), sin.contiguous(), hq, hkv)
+    return kernel_build.load_attention().rope_qkv(qkv, bias, cos.contiguous(), sin.contiguous(), hq, hkv)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

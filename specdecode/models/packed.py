@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError, WeightsMissingError
-from specdecode.files import partial_path, remove_stale_partials
+from specdecode.files import partial_path, remove_stale_partials, specdecode_home
 from specdecode.models import checks
 from specdecode.models.config import ModelConfig
 
@@ -88,8 +88,6 @@ def _fuse(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
 
 
 def _cache_file(files: list[Path], dtype: torch.dtype) -> Path:
-    from specdecode.models.catalog import specdecode_home
-
     key = json.dumps([PACK_VERSION, str(dtype)] + [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
                                                    for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

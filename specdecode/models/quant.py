@@ -36,9 +36,9 @@ def usable_mode(mode: str | None, dtype: str) -> str | None:
         print("specdecode: this torch build has no fbgemm; the draft stays in float32", file=sys.stderr)
         return None
     if mode == "int4":
-        from specdecode.models import native
+        from specdecode.models import kernel_build
 
-        if native.load_int4() is None:
+        if kernel_build.load_int4() is None:
             return "int8"
     return mode
 
@@ -102,9 +102,9 @@ def pack_int4(w: Tensor, chunk_rows: int = 8192, many_rows: Any = None) -> Any:
         half = INT4_GROUP // 2
         packed[start : start + chunk_rows] = (u[..., :half] | (u[..., half:] << 4)).reshape(-1, inp // 2)
         scales[start : start + chunk_rows] = s
-    from specdecode.models import native
+    from specdecode.models import kernel_build
 
-    module = native.load_int4()
+    module = kernel_build.load_int4()
     many = pack_int8(w) if many_rows is None else many_rows
     return Int4Groups(packed, scales, offset, many, module.linear_int4 if module else None)
 
@@ -122,7 +122,7 @@ def linear_draft(x: Tensor, w: Any) -> Tensor:
 
 def _many_rows(x: Tensor, w: Any) -> Tensor:
     from specdecode.models import kernels
-    from specdecode.models.gguf_native import GGUFLinear
+    from specdecode.models.gguf_planes import GGUFLinear
 
     if isinstance(w, GGUFLinear):
         return kernels.linear_gguf(x, w)
@@ -180,7 +180,7 @@ def fused_int4_draft(model: Any) -> Any:
     weights = [model.lm_head] + [getattr(w, f) for w in model.layers for f in ("qkv", "o", "gate_up", "down")]
     if not all(isinstance(w, Int4Groups) and w.kernel is not None for w in weights):
         return None
-    from specdecode.models import native
+    from specdecode.models import kernel_build
 
     def parts(w: Int4Groups) -> list[Tensor]:
         return [w.packed, w.scales, w.offset]
@@ -190,9 +190,9 @@ def fused_int4_draft(model: Any) -> Any:
     embed = model.embed.contiguous() if isinstance(model.embed, Tensor) else empty  # GGUF rows: looked up by the caller
     layers = [[w.in_norm, w.post_norm, w.qkv_bias if w.qkv_bias is not None else empty,
                *parts(w.qkv), *parts(w.o), *parts(w.gate_up), *parts(w.down)] for w in model.layers]
-    return native.load_int4().Int4Draft(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                                        embed, model.cos, model.sin, model.norm,
-                                        parts(model.lm_head), layers)
+    return kernel_build.load_int4().Int4Draft(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                              embed, model.cos, model.sin, model.norm,
+                                              parts(model.lm_head), layers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """The one verify entry point: which of a step's draft tokens the target keeps.
 
 A step's proposal is a chain or a tree, and the request decodes greedily or samples; the four
-rules live in ``verify`` (chains) and ``verify_tree`` (trees), each exact for its case. Callers see
-one function and one result, which ``KVCache.commit`` applies to the cache.
+rules live in ``sample/chain.py`` (``verify_greedy``, ``verify_rejection``) and ``sample/tree.py``
+(``verify_tree_greedy``, ``verify_tree_rejection``), each exact for its case. Callers see one
+function and one result, which ``KVCache.commit`` applies to the cache.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def soft_targets(target_ids: Tensor, vocab_size: int, ex: Example, rows: slice) 
 def lm_head_rows(target: Decoder, ids: Tensor) -> Tensor:
     """Float rows ``ids`` of the target's LM head, whatever its form (float, int8 rows, GGUF):
     where heads start their own LM heads."""
-    from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
+    from specdecode.models.gguf_planes import GGUFLinear, GGUFWeight
 
     w = target.lm_head
     if isinstance(w, Tensor):

@@ -1,4 +1,4 @@
-"""GGUF weights run as shipped: quantized tensors repacked losslessly into the planes the native
+"""GGUF weights run as shipped: quantized tensors repacked losslessly into the planes the GGUF
 kernel reads (``csrc/linear_gguf.cpp``), cached on disk and memory-mapped.
 
 Why a repack and not the raw blocks: a GGUF block interleaves fp16 scales, packed 6-bit scales
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
 from specdecode.files import partial_path
-from specdecode.models import checks
+from specdecode.models import checks, kernel_build
 
 REPACK_VERSION = 2
 # GGML type id -> (name, inputs per block, bytes per block). The kernel's type codes are these ids.
@@ -71,9 +71,8 @@ class GGUFWeight:
 
     def rows(self, ids: Tensor) -> Tensor:
         """Float32 rows ``ids`` [N] -> [N, in]: an embedding lookup."""
-        from specdecode.models import native
-
-        return native.load_gguf().dequantize_rows(self.type_id, self.out, self.inp, self.part[2], ids.reshape(-1).long())
+        return kernel_build.load_gguf().dequantize_rows(self.type_id, self.out, self.inp, self.part[2],
+                                                        ids.reshape(-1).long())
 
     def dequantize(self) -> Tensor:
         return self.rows(torch.arange(self.out))
@@ -114,7 +113,7 @@ def repack(raw: np.ndarray, type_name: str, out: int, inp: int) -> dict[str, np.
     f16 = lambda cols: b[..., cols].copy().view(np.float16).astype(np.float32)[..., 0]  # noqa: E731
     planes: dict[str, np.ndarray] = {}
     if type_name in ("Q4_K", "Q5_K"):
-        from gguf.quants import Q4_K
+        from gguf.quants import Q4_K  # imported by the repack only: some 50 ms
 
         planes["d"], planes["dm"] = f16(slice(0, 2)), f16(slice(2, 4))
         sc, mn = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
@@ -201,20 +200,3 @@ def write_atomic(target: Path, arrays: Iterator[tuple[str, np.ndarray]], metadat
 
 
 _ST_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32", np.dtype(np.int8): "I8"}
-
-
-def gguf_sources(folder: Path) -> list[Path]:
-    """The GGUF file(s) a converted model folder came from (its conversion marker lists them)."""
-    from specdecode.models.gguf_convert import MARKER_NAME
-
-    marker = Path(folder) / MARKER_NAME
-    try:
-        sources = [Path(s) for s in json.loads(marker.read_text())["sources"]]
-    except (OSError, ValueError, KeyError):
-        raise UnsupportedModelError(f"{folder} was not converted from a GGUF file, so it has no native form; "
-                                    "use --quantize none (or int8)") from None
-    missing = [s for s in sources if not s.is_file()]
-    if missing:
-        raise UnsupportedModelError(f"the GGUF source of {folder} is gone ({missing[0]}); reinstall it or use "
-                                    "--quantize none")
-    return sources

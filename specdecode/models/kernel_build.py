@@ -1,17 +1,17 @@
-"""The native batch-invariant linear kernel: compiled once on first use, optional.
+"""Builds and loads the C++ kernels in ``csrc/``: their compiler flags, build folders and fallbacks.
 
-``csrc/linear_rows.cpp`` computes ``x @ w.T`` so that a row's bits never depend on how many rows
-share the call, at GEMV speed for one row (see the file's header). It is built with the system
-C++ compiler through ``torch.utils.cpp_extension`` into ``$SPECDECODE_HOME/kernels`` (or
-``$SPECDECODE_KERNELS``) the first time a model loads (about 30 s), then loaded from there. It
-is built for AVX-512 where the CPU has it (``SPECDECODE_AVX512=0`` forces the AVX2 build).
-Where it cannot be built or run (no compiler, no AVX2), ``load()`` returns None once with a
-warning and the decoder uses its portable torch path, which is exact too but slower.
+``csrc/linear_rows.cpp``, the batch-invariant linear kernel (optional), computes ``x @ w.T`` so that
+a row's bits never depend on how many rows share the call, at GEMV speed for one row (see the file's
+header). It is built with the system C++ compiler through ``torch.utils.cpp_extension`` into
+``$SPECDECODE_HOME/kernels`` (or ``$SPECDECODE_KERNELS``) the first time a model loads (about 30 s),
+then loaded from there. It is built for AVX-512 where the CPU has it (``SPECDECODE_AVX512=0`` forces
+the AVX2 build). Where it cannot be built or run (no compiler, no AVX2), ``load()`` returns None
+once with a warning and the decoder uses its portable torch path, which is exact too but slower.
 ``csrc/linear_int4.cpp``, the int4 draft kernel, is built the same way on first use of an int4
 draft: for AVX-512 VNNI where the CPU has it, else for AVX2 (``int4_flags()``). The GGUF kernel
 (``csrc/linear_gguf.cpp``) has three builds with the same bits, portable, AVX2 and VNNI
-(``gguf_isas()``); it uses the fastest the CPU runs unless ``SPECDECODE_GGUF_ISA`` names one.
-Builds hold a ``flock`` on their folder, so a build killed midway never blocks the next.
+(``gguf_isas()``); it uses the fastest the CPU runs unless ``SPECDECODE_GGUF_ISA`` names one. Builds
+hold a ``flock`` on their folder, so a build killed midway never blocks the next.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from types import ModuleType
 
 import torch
 
-from specdecode.files import file_lock
+from specdecode.errors import UnsupportedModelError
+from specdecode.files import file_lock, specdecode_home
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_rows.cpp"
 INT4_SOURCE = Path(__file__).parent / "csrc" / "linear_int4.cpp"
@@ -130,8 +131,6 @@ def gguf_isa() -> str:
 
 def _check_isa(isa: str, label: str = "") -> None:
     """Refuse, by name, a GGUF build that does not exist or that this CPU cannot run."""
-    from specdecode.errors import UnsupportedModelError
-
     if isa not in GGUF_ISAS:
         raise UnsupportedModelError(f"{label}{isa} is not a GGUF kernel build; the builds are "
                                     f"{', '.join(GGUF_ISAS)}")
@@ -159,8 +158,6 @@ def load_gguf(isa: str | None = None) -> ModuleType:
     built on first use. Native GGUF models need it, so a failed build raises
     ``UnsupportedModelError`` naming ``--quantize none``; a default VNNI build that fails (say, a
     compiler too old for ``-mavxvnni``) falls back to the AVX2 build, which has the same bits."""
-    from specdecode.errors import UnsupportedModelError
-
     if isa is None:
         if not cpu_has_avx2_fma():
             print("specdecode: this CPU lacks AVX2/FMA; GGUF models run on the portable kernel (slower)",
@@ -187,8 +184,6 @@ def load_attention(portable: bool | None = None) -> ModuleType:
     """The row-wise attention (``csrc/attention_rows.cpp``) native GGUF models use: the GGUF
     kernel's portable or AVX2 flags (it has no integer products for VNNI to fuse; by default
     portable when the GGUF build is), and the same refusal naming ``--quantize none``."""
-    from specdecode.errors import UnsupportedModelError
-
     if portable is None:
         portable = gguf_isa() == "portable"
 
@@ -206,9 +201,7 @@ FOLDER_USE = b"flock-1"
 
 def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType | None:
     """Compile ``source`` once per (source, torch, flags) into the kernels folder and load it."""
-    from torch.utils import cpp_extension
-
-    from specdecode.models.catalog import specdecode_home
+    from torch.utils import cpp_extension  # imported by a build only: some 0.14 s
 
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what sources include
     key = FOLDER_USE + source.read_bytes() + headers + torch.__version__.encode() + str(flags).encode()

@@ -14,7 +14,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import UnsupportedModelError
-from specdecode.models import gguf_native, native
+from specdecode.models import gguf_planes, kernel_build
 from tests.gguf_blocks import F16_FIELDS, NATIVE, dequantized, random_blocks, write_model_gguf
 from tests.methods import SPEC_METHODS, tiny_heads
 
@@ -25,15 +25,15 @@ from tests.methods import SPEC_METHODS, tiny_heads
 REL_TOL = 0.02
 
 
-def _weight(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[gguf_native.GGUFWeight, np.ndarray, np.ndarray]:
+def _weight(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[gguf_planes.GGUFWeight, np.ndarray, np.ndarray]:
     raw = random_blocks(np.random.default_rng(seed), type_name, out, inp)
-    planes = {k: torch.from_numpy(v) for k, v in gguf_native.repack(raw, type_name, out, inp).items()}
-    return gguf_native.weight_from_planes(type_name, out, inp, planes), raw, dequantized(raw, type_name, out, inp)
+    planes = {k: torch.from_numpy(v) for k, v in gguf_planes.repack(raw, type_name, out, inp).items()}
+    return gguf_planes.weight_from_planes(type_name, out, inp, planes), raw, dequantized(raw, type_name, out, inp)
 
 
 def _builds() -> list[object]:
     """Every build of the GGUF kernel this CPU runs: portable, AVX2, and VNNI where it has it."""
-    return [native.load_gguf(isa) for isa in native.gguf_isas()]
+    return [kernel_build.load_gguf(isa) for isa in kernel_build.gguf_isas()]
 
 
 @pytest.mark.parametrize("type_name", NATIVE)
@@ -72,7 +72,7 @@ def test_rows_bitwise_invariant_and_builds_agree(type_name: str) -> None:
 def test_multi_part_call_equals_separate_calls() -> None:
     parts = [_weight(t, out, 512, seed=i)[0] for i, (t, out) in enumerate([("Q4_K", 64), ("Q4_K", 16), ("Q6_K", 16)])]
     x = torch.randn(3, 512)
-    kernel = native.load_gguf()
+    kernel = kernel_build.load_gguf()
     fused = kernel.linear_gguf(x, [p.part for p in parts])
     assert torch.equal(fused, torch.cat([kernel.linear_gguf(x, [p.part]) for p in parts], dim=1))
 
@@ -110,17 +110,17 @@ def test_the_default_build_is_the_fastest_this_cpu_runs(monkeypatch) -> None:
     monkeypatch.delenv("SPECDECODE_AVX512", raising=False)
     monkeypatch.delenv("SPECDECODE_GGUF_ISA", raising=False)
     monkeypatch.delenv("SPECDECODE_GGUF_PORTABLE", raising=False)
-    cpu = native._cpu_flags()
-    if native.cpu_has_avx2_fma() and ({"avx512f", "avx512vl", "avx512_vnni"} <= cpu or "avx_vnni" in cpu):
-        assert native.gguf_isas()[-1] == "vnni"
-    assert native.load_gguf().isa() == native.gguf_isa() == native.gguf_isas()[-1]
+    cpu = kernel_build._cpu_flags()
+    if kernel_build.cpu_has_avx2_fma() and ({"avx512f", "avx512vl", "avx512_vnni"} <= cpu or "avx_vnni" in cpu):
+        assert kernel_build.gguf_isas()[-1] == "vnni"
+    assert kernel_build.load_gguf().isa() == kernel_build.gguf_isa() == kernel_build.gguf_isas()[-1]
     monkeypatch.setenv("SPECDECODE_GGUF_ISA", "portable")
-    assert native.gguf_isa() == "portable"
+    assert kernel_build.gguf_isa() == "portable"
     monkeypatch.setenv("SPECDECODE_GGUF_ISA", "avx9")
     with pytest.raises(UnsupportedModelError, match="SPECDECODE_GGUF_ISA=avx9 is not a GGUF kernel build"):
-        native.gguf_isa()
+        kernel_build.gguf_isa()
     with pytest.raises(ValueError, match="unknown GGUF kernel build 'avx9'"):
-        native.gguf_flags("avx9")
+        kernel_build.gguf_flags("avx9")
 
 
 def test_a_failed_default_vnni_build_falls_back_to_avx2(monkeypatch, capsys) -> None:
@@ -134,9 +134,9 @@ def test_a_failed_default_vnni_build_falls_back_to_avx2(monkeypatch, capsys) -> 
             raise UnsupportedModelError("the native GGUF kernel is unavailable: building it failed")
         return f"{isa} build"
 
-    unwrapped = native.load_gguf.__wrapped__
-    monkeypatch.setattr(native, "load_gguf", load)
-    monkeypatch.setattr(native, "gguf_isa", lambda: "vnni")
+    unwrapped = kernel_build.load_gguf.__wrapped__
+    monkeypatch.setattr(kernel_build, "load_gguf", load)
+    monkeypatch.setattr(kernel_build, "gguf_isa", lambda: "vnni")
     monkeypatch.delenv("SPECDECODE_GGUF_ISA", raising=False)
     assert unwrapped() == "avx2 build" and calls == ["vnni", "avx2"]
     assert "VNNI build failed, using its AVX2 build" in capsys.readouterr().err
@@ -155,7 +155,7 @@ EXTREME_FILLS = [("all 0xFF", lambda size: [0xFF] * size), ("all 0x80", lambda s
 def test_extreme_blocks_and_activations_agree_across_builds(type_name: str) -> None:
     """The builds' integer steps agree where saturation could part them: largest weights against
     activations quantized to +-127 (rows of +-1, alternating, and one spike per block)."""
-    block, size = next((b, s) for n, b, s in gguf_native.TYPES.values() if n == type_name)
+    block, size = next((b, s) for n, b, s in gguf_planes.TYPES.values() if n == type_name)
     raw = random_blocks(np.random.default_rng(3), type_name, 8, 512)
     x = torch.ones(4, 512)
     x[1] = -1.0
@@ -170,8 +170,8 @@ def test_extreme_blocks_and_activations_agree_across_builds(type_name: str) -> N
         for off in F16_FIELDS[type_name]:
             keep[off : off + 2] = True
         blocks[..., ~keep] = bytes_[~keep]
-        planes = {k: torch.from_numpy(v) for k, v in gguf_native.repack(blocks.reshape(8, -1), type_name, 8, 512).items()}
-        w = gguf_native.weight_from_planes(type_name, 8, 512, planes)
+        planes = {k: torch.from_numpy(v) for k, v in gguf_planes.repack(blocks.reshape(8, -1), type_name, 8, 512).items()}
+        w = gguf_planes.weight_from_planes(type_name, 8, 512, planes)
         ref = torch.from_numpy(dequantized(blocks.reshape(8, -1), type_name, 8, 512))
         results = [build.linear_gguf(x, [w.part]) for build in _builds()]
         assert all(torch.equal(results[0], r) for r in results[1:]), (type_name, label)
@@ -184,7 +184,7 @@ def test_extreme_activations_and_zero_rows() -> None:
     x = torch.zeros(3, 256)
     x[1] = 1e30
     x[2, ::2] = -1e-30
-    y = native.load_gguf().linear_gguf(x, [w.part])
+    y = kernel_build.load_gguf().linear_gguf(x, [w.part])
     assert torch.equal(y[0], torch.zeros(8)) and torch.isfinite(y).all()
     want = x[1].double() @ torch.from_numpy(ref).T.double()
     assert ((y[1].double() - want).norm() / want.norm()) < REL_TOL
@@ -192,9 +192,9 @@ def test_extreme_activations_and_zero_rows() -> None:
 
 def test_unsupported_type_names_tensor_and_fallback() -> None:
     with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up\.weight.*Q2_K.*--quantize none"):
-        gguf_native.check_type("blk.0.ffn_up.weight", "Q2_K", 256)
+        gguf_planes.check_type("blk.0.ffn_up.weight", "Q2_K", 256)
     with pytest.raises(UnsupportedModelError, match="not whole Q4_K blocks"):
-        gguf_native.check_type("blk.0.ffn_up.weight", "Q4_K", 896)
+        gguf_planes.check_type("blk.0.ffn_up.weight", "Q4_K", 896)
 
 
 def test_truncated_gguf_is_a_named_error(tmp_path: Path) -> None:
@@ -225,7 +225,7 @@ def native_llm(tmp_path_factory) -> LLM:
 
 def test_native_is_the_default_for_gguf_sources(native_llm: LLM) -> None:
     assert native_llm.quantize == "native"
-    assert all(isinstance(w, gguf_native.GGUFLinear) for w in (native_llm.target.layers[0].qkv, native_llm.target.lm_head))
+    assert all(isinstance(w, gguf_planes.GGUFLinear) for w in (native_llm.target.layers[0].qkv, native_llm.target.lm_head))
 
 
 def test_native_model_matches_its_dequantized_weights(native_llm: LLM) -> None:

@@ -18,9 +18,11 @@ from pathlib import Path
 
 from specdecode.errors import ModelNotFoundError, WeightsMissingError
 from specdecode.models import checks
-from specdecode.models.catalog import CATALOG, CatalogEntry, find_weight_files, specdecode_home
+from specdecode.files import specdecode_home
+from specdecode.models.catalog import CATALOG, CatalogEntry, find_weight_files
 from specdecode.models.checks import Record, State
 from specdecode.models.gguf_convert import MARKER_NAME
+from specdecode.models.gguf_planes import cache_path
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,6 @@ def verify(name: str, progress: bool = True) -> list[Finding]:
     sources = _source_files(entry)
     derived = [("float32", folder / "model.safetensors")]
     if sources:
-        from specdecode.models.gguf_native import cache_path
-
         derived.append(("native", cache_path(sources, specdecode_home())))
     derived += [("packed", p) for p in sorted((specdecode_home() / "packed").glob(f"{folder.name}-*.safetensors"))]
     for what, path in derived:

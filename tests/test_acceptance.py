@@ -1,4 +1,5 @@
-"""Tests of specdecode.sample.chain: greedy acceptance and exact (lossless) rejection sampling.
+"""Acceptance of draft tokens: greedy acceptance and exact (lossless) rejection sampling of
+specdecode.sample.chain, and the one entry point, specdecode.sample.verify.verify.
 
 The key tests simulate the whole draft -> verify -> commit loop on a tiny vocabulary with an
 autoregressive target (a first-order Markov chain: row i of the target depends on the token
@@ -18,8 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode.sample import chain as verify
-from specdecode.sample.chain import verify_greedy, verify_rejection
+from specdecode.sample.chain import _residual, verify_greedy, verify_rejection
 from specdecode.sequence import VerifyResult
 
 V = 6  # vocabulary of the simulations
@@ -330,8 +330,8 @@ def test_rejection_always_rejects_token_target_rules_out() -> None:
 def test_residual_falls_back_to_target_when_empty() -> None:
     p = torch.tensor([0.25, 0.25, 0.5])
     q = torch.tensor([0.25, 0.25 + 1e-8, 0.5])  # p - q <= 0 everywhere: zero residual mass
-    assert torch.equal(verify._residual(p, q, 1), p.double())
-    assert torch.equal(verify._residual(p, torch.zeros(3), 1), p.double())
+    assert torch.equal(_residual(p, q, 1), p.double())
+    assert torch.equal(_residual(p, torch.zeros(3), 1), p.double())
     # a rejection with an empty residual still emits a token the target allows
     p2 = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
     q2 = torch.tensor([[0.2, 0.5, 0.5]])
@@ -341,7 +341,7 @@ def test_residual_falls_back_to_target_when_empty() -> None:
 
 def test_point_mass_residual_removes_draft_token() -> None:
     p = torch.tensor([0.2, 0.3, 0.5])
-    assert verify._residual(p, None, 2).tolist() == pytest.approx([0.2, 0.3, 0.0])
+    assert _residual(p, None, 2).tolist() == pytest.approx([0.2, 0.3, 0.0])
 
 
 @pytest.mark.parametrize(
