@@ -36,7 +36,7 @@ from typing import Any
 from specdecode.bench.endpoint import endpoint_contestant, endpoint_url
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.bench.runner import Contestant
-from specdecode.files import file_lock, partial_path, remove_stale_partials
+from specdecode.files import atomic_path, file_lock, remove_stale_partials, specdecode_home
 
 PLAIN, DRAFT = "llamacpp_target", "llamacpp_draft"
 STARTUP_TIMEOUT_S = 600.0
@@ -51,7 +51,6 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
     file, so the parts are joined once into ``$SPECDECODE_HOME/peers/gguf/`` (atomically).
     """
     from specdecode.errors import UnsupportedModelError
-    from specdecode.models.catalog import specdecode_home
     from specdecode.models.gguf_convert import join_parts
     from specdecode.models.gguf_native import gguf_sources
 
@@ -68,7 +67,8 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
         remove_stale_partials(target.parent)
         if target.is_file() and target.stat().st_size == size:
             return target
-        os.replace(join_parts(sources, partial_path(target), progress), target)
+        with atomic_path(target, sync=False) as partial:  # size-checked on use, joined again when short
+            join_parts(sources, partial, progress)
     return target
 
 

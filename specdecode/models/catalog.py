@@ -13,12 +13,11 @@ import importlib.util
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.errors import HubUnavailableError, ModelNotFoundError, UnsupportedModelError, WeightsMissingError
-from specdecode.files import file_lock
+from specdecode.files import file_lock, specdecode_home
 from specdecode.models import checks
 from specdecode.models.gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf
 
@@ -71,11 +70,6 @@ class ModelInfo:
     converted: bool  # a finished conversion exists at ``path``
     path: Path  # where the converted HF folder lives (or will)
     forms: tuple[str, ...] = ()  # cached weight forms: "native" (repacked GGUF planes), "float32"
-
-
-def specdecode_home() -> Path:
-    """``$SPECDECODE_HOME`` or ``~/.cache/specdecode``, read at call time so tests can redirect it."""
-    return Path(os.environ.get("SPECDECODE_HOME") or "~/.cache/specdecode").expanduser()
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> Path:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
-from specdecode.files import partial_path, remove_stale_partials
+from specdecode.files import partial_path, remove_stale_partials, specdecode_home
 from specdecode.models import checks, gguf_convert, gguf_native
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_native import GGUFLinear, GGUFWeight
@@ -32,8 +32,6 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
     """HF-named weights of the GGUF in ``sources`` (one file, or byte parts in order): quantized
     matrices as ``GGUFWeight``, the rest float32. Repacked on first use, then memory-mapped; a cache
     whose size (or, after a crash, checksum) differs from its record is repacked."""
-    from specdecode.models.catalog import specdecode_home
-
     sources = [Path(s) for s in sources]
     cached = gguf_native.cache_path(sources, specdecode_home())
     crashed = bool(remove_stale_partials(cached.parent))

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from specdecode.files import file_lock
+from specdecode.files import file_lock, specdecode_home
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_rows.cpp"
 INT4_SOURCE = Path(__file__).parent / "csrc" / "linear_int4.cpp"
@@ -207,8 +207,6 @@ FOLDER_USE = b"flock-1"
 def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType | None:
     """Compile ``source`` once per (source, torch, flags) into the kernels folder and load it."""
     from torch.utils import cpp_extension
-
-    from specdecode.models.catalog import specdecode_home
 
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what sources include
     key = FOLDER_USE + source.read_bytes() + headers + torch.__version__.encode() + str(flags).encode()

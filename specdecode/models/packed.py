@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError, WeightsMissingError
-from specdecode.files import partial_path, remove_stale_partials
+from specdecode.files import atomic_path, remove_stale_partials, specdecode_home
 from specdecode.models import checks
 from specdecode.models.config import ModelConfig
 
@@ -88,8 +87,6 @@ def _fuse(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
 
 
 def _cache_file(files: list[Path], dtype: torch.dtype) -> Path:
-    from specdecode.models.catalog import specdecode_home
-
     key = json.dumps([PACK_VERSION, str(dtype)] + [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
                                                    for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -109,11 +106,6 @@ def _read_all(files: list[Path]) -> dict[str, Tensor]:
 
 
 def _write_atomic(target: Path, tensors: dict[str, Tensor]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_path(target)
-    try:
+    with atomic_path(target, sync=False) as tmp:  # a cache: checked against its record, else repacked
         save_file(tensors, str(tmp), metadata={"pack_version": str(PACK_VERSION)})
         checks.write_sidecar(target, checks.hash_file(tmp))
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
