@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdecode.bench.workloads import Prompt
-from specdecode.params import SamplingParams
+from specdecode.params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES, build_drafter
 from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import InvalidConfigError, SpecDecodeError
@@ -97,8 +97,8 @@ def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool,
     if unknown:
         raise InvalidConfigError(f"unknown method {unknown[0]!r} in --methods; choose from {', '.join(METHOD_NAMES)}")
     for k in ks:
-        if not 1 <= k <= 32:
-            raise InvalidConfigError(f"K must be in [1, 32], got {k}")
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidConfigError(f"K must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
     runs = [RunSpec(BASELINE, BASELINE, None)]
     for method in dict.fromkeys(methods):  # de-duplicated, order kept
         if method == BASELINE:

@@ -14,6 +14,7 @@ from typing import Any
 from specdecode.config import DEFAULT_DRAFTS, DEFAULT_MODEL
 from specdecode.errors import InvalidConfigError
 from specdecode.export.vllm import DEFAULT_VLLM_K, EXPORT_DTYPES, ExportPlan, vllm_method
+from specdecode.params import MAX_SPECULATIVE_TOKENS
 
 
 def bench_advice(bench_dir: Path, method: str | None) -> tuple[str, int | None, dict[str, Any]]:
@@ -55,8 +56,8 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
 
     if tensor_parallel_size < 1:
         raise InvalidConfigError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
-    if k is not None and not 1 <= k <= 32:
-        raise InvalidConfigError(f"-k must be in [1, 32], got {k}")
+    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidConfigError(f"-k must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise InvalidConfigError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if eagle_head and medusa_heads:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdecode.drafters.ngram import NGRAM_MAX, NGRAM_MIN
 from specdecode.errors import InvalidConfigError
 from specdecode.files import write_folder
 
@@ -41,7 +42,6 @@ EXPORT_FILE = "export.json"
 CONFIG_FILE = "speculative_config.json"
 SCRIPT_FILE = "serve.sh"
 DEFAULT_VLLM_K = 5
-NGRAM_MIN, NGRAM_MAX = 1, 4  # the n-gram lengths our ngram drafter matches (drafters/ngram.py)
 
 # Our method -> vLLM's ``method``.
 VLLM_METHODS: dict[str, str | None] = {

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specdecode.models.config import DRAFT_MODES
+
 QUANTIZE_MODES = ("int8",)  # for a target
-DRAFT_MODES = ("int8", "int4")
 INT4_GROUP = 64  # inputs per int4 scale: one VPDPBUSD (VNNI) or two VPMADDUBSW (AVX2) per group and output
 INT4_MAX_ROWS = 8  # calls with more rows (a prefill, or a draft catching up on a long n-gram copy) take int8
 
