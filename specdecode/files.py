@@ -9,13 +9,15 @@ leftover that ``remove_stale_partials`` deletes."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def specdecode_home() -> Path:
@@ -44,7 +46,7 @@ def file_lock(path: Path, what: str, progress: bool = True) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if progress:
-                print(f"waiting for another process doing {what} ...", file=sys.stderr)
+                log.info(f"waiting for another process doing {what} ...")
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield True

@@ -13,6 +13,7 @@ drafter and K, a Hugging Face peer (``peers.py``), or a deliberately broken fake
 
 from __future__ import annotations
 
+import logging
 import resource
 import statistics
 import sys
@@ -29,6 +30,8 @@ from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES, buil
 from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import InvalidConfigError, SpecDecodeError
 from specdecode.models.decoder import Decoder
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from specdecode.api import LLM
@@ -214,8 +217,8 @@ def run_benchmark(
     start = time.perf_counter()
     result = BenchResult()
     if progress:
-        print(f"bench: warming up {len(contestants)} contestant(s), then {len(prompts)} prompt(s) x {repeat} "
-              "repeat(s)", file=sys.stderr, flush=True)
+        log.info(f"bench: warming up {len(contestants)} contestant(s), then {len(prompts)} prompt(s) x {repeat} "
+                 "repeat(s)")
     _warm_up(contestants, prompts[0], params, render)
     if step_timer is not None:
         result.target_step_s = step_timer()

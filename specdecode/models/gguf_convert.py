@@ -20,6 +20,7 @@ memory is one tensor (the embedding), not the whole fp32 model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -35,6 +36,8 @@ from specdecode.errors import ModelNotFoundError, UnsupportedModelError
 from specdecode.files import atomic_path, partial_path, remove_stale_partials, write_folder
 from specdecode.models import checks
 from specdecode.tokenizer import tokenizer_files_from_gguf
+
+log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
 MARKER_NAME = "specdecode_conversion.json"  # written last: its presence means "finished"
@@ -155,8 +158,7 @@ def write_float_weights(folder: Path, progress: bool = True) -> Path:
     if target.is_file():
         if checks.intact(target, full=crashed, progress=progress):
             return target
-        print(f"specdecode: {target} does not match its recorded size or checksum; dequantizing it again",
-              file=sys.stderr)
+        log.warning(f"specdecode: {target} does not match its recorded size or checksum; dequantizing it again")
         checks.remove_with_sidecar(target)
     parts = gguf_sources(Path(folder))
     _check_disk_space(parts, Path(folder))
