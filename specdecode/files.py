@@ -2,10 +2,11 @@
 files, a cross-process lock around work done once per machine, the one way a file or a folder is
 written atomically, and the naming and cleanup of partial writes.
 
-Every atomic write goes through ``atomic_path`` (a file) or ``write_folder`` (a folder), so the
-guarantee is the same everywhere: a reader sees the previous version or the complete new one,
-never half of one, and a failed write leaves nothing behind but, after a kill, a PID-named
-leftover that ``remove_stale_partials`` deletes."""
+Files and folders are written atomically through ``atomic_path`` (a file) or ``write_folder`` (a
+folder), so the guarantee is the same everywhere: a reader sees the previous version or the
+complete new one, never half of one, and a failed write leaves nothing behind but, after a kill,
+a PID-named leftover that ``remove_stale_partials`` deletes. (A datastore, ``index/build.py``,
+swaps its folder in by hand: it checks again, between the renames, that it may replace one.)"""
 
 from __future__ import annotations
 
