@@ -8,7 +8,7 @@ default given at construction).
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,9 @@ from specdecode.drafters.self_spec.layers import default_skip, load_skip
 from specdecode.heads.eagle3_format import load_head_for
 from specdecode.heads.medusa_format import load_medusa_for
 from specdecode.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
 
 class LLM:
     """A target model, an optional draft model, and the speculative methods over them."""
@@ -90,7 +93,7 @@ class LLM:
                 raise
             # Native is only the default: a GGUF with matrices no kernel runs (F16, Q2_K, ...)
             # runs dequantized instead, said once.
-            print(f"specdecode: running {model!r} dequantized to float32 ({exc})", file=sys.stderr)
+            log.warning(f"specdecode: running {model!r} dequantized to float32 ({exc})")
             self.quantize = None
             self.target = Decoder.from_dir(path, dtype)
         self.engine = Engine(self.target, self.tokenizer, max_seq_len)
@@ -103,9 +106,8 @@ class LLM:
             self.draft_model = Decoder.from_dir(draft_path, dtype, batch_invariant=False, quantize=draft_quantize)
             self.draft_tokenizer = self._foreign_tokenizer(draft, draft_path)
             if self.draft_tokenizer is not None:
-                print(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "
-                      "translated through text (cross-vocabulary mode; the output is still exact)",
-                      file=sys.stderr)
+                log.warning(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "
+                            "translated through text (cross-vocabulary mode; the output is still exact)")
         self.model_name, self.draft_name, self.model_dir = model, draft, path
         self._self_skip: list[int] | None = None  # layers --method self skips, read on first use
         self._drafters: dict[str, Drafter] = {}

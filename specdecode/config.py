@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from specdecode.drafters.lookahead import LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW
 from specdecode.drafters.registry import METHOD_NAMES
+from specdecode.drafters.ngram import NGRAM_MAX, NGRAM_MIN
 from specdecode.errors import InvalidConfigError
+from specdecode.models.config import DRAFT_MODES, DTYPES
 from specdecode.params import MAX_SPECULATIVE_TOKENS
 
 # Up to 12 drafts per step: with the int4 draft, K=12 beat K=8 by 2-6% for draft_model, combined,
@@ -24,9 +26,8 @@ DEFAULT_DRAFT_CONFIDENCE = 0.5
 # int4 drafts (one native call per draft forward) beat int8 in every category of a bench pair
 # (docs/PERFORMANCE.md, "Design choices and their measurements"). The kernel needs AVX2 (it uses AVX-512 VNNI where
 # present); without AVX2 int4 falls back to int8; "none" keeps the model dtype.
-DRAFT_QUANTIZE_CHOICES = ("int8", "int4", "none")
+DRAFT_QUANTIZE_CHOICES = (*DRAFT_MODES, "none")
 DEFAULT_DRAFT_QUANTIZE = "int4"
-DTYPES = ("float32", "bfloat16")
 DEFAULT_DTYPE = "float32"
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}  # the draft a method uses unless told
@@ -48,9 +49,9 @@ class SpecConfig:
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
     """A draft model stops drafting once its probability for the draft so far (the product of
     its token probabilities) falls below this; 0 never stops early."""
-    ngram_min: int = 1
+    ngram_min: int = NGRAM_MIN
     """Shortest context suffix the n-gram drafter tries to match."""
-    ngram_max: int = 4
+    ngram_max: int = NGRAM_MAX
     """Longest suffix it tries first (the combined and tree drafters' matches too)."""
     combined_min_match: int = 3
     """Shortest context match for which ``combined`` copies instead of asking the draft model:

@@ -1,15 +1,24 @@
-"""File helpers shared by the caches: a cross-process lock around work done once per machine, and
-the naming and cleanup of partial writes."""
+"""File helpers shared by the caches, heads, exports and checkpoints: where specdecode keeps its
+files, a cross-process lock around work done once per machine, the one way a file or a folder is
+written atomically, and the naming and cleanup of partial writes.
+
+Files and folders are written atomically through ``atomic_path`` (a file) or ``write_folder`` (a
+folder), so the guarantee is the same everywhere: a reader sees the previous version or the
+complete new one, never half of one, and a failed write leaves nothing behind but, after a kill,
+a PID-named leftover that ``remove_stale_partials`` deletes. (A datastore, ``index/build.py``,
+swaps its folder in by hand: it checks again, between the renames, that it may replace one.)"""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def specdecode_home() -> Path:
@@ -39,7 +48,7 @@ def file_lock(path: Path, what: str, progress: bool = True) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if progress:
-                print(f"waiting for another process doing {what} ...", file=sys.stderr)
+                log.info(f"waiting for another process doing {what} ...")
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield True
@@ -56,6 +65,69 @@ _PARTIAL = re.compile(r"^\..+\.(?P<pid>\d+)\.(?:partial|data|joined\.gguf|buildi
 def partial_path(target: Path, kind: str = "partial") -> Path:
     """Where to write ``target`` before renaming it into place: beside it, hidden, with our PID."""
     return target.with_name(f".{target.name}.{os.getpid()}.{kind}")
+
+
+@contextmanager
+def atomic_path(target: Path, sync: bool = True, kind: str = "partial") -> Iterator[Path]:
+    """Yield a hidden path beside ``target`` (``partial_path``) for the block to write; when the
+    block returns, the file is flushed to disk (``sync``) and renamed over ``target`` in one step.
+
+    When the block raises, the partial file is removed and ``target`` keeps its previous content.
+    The partial file sits in ``target``'s folder so the rename never crosses file systems.
+    ``sync=False`` is for derived caches that are checked against their record or rebuilt on the
+    next run, where an fsync of gigabytes would cost more than a rebuild after a power loss. A
+    record written beside the file inside the block (``checks.write_sidecar``) lands before it.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(target, kind)
+    try:
+        yield tmp
+        if sync:
+            _fsync(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_folder(dest: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` into a fresh folder beside ``dest``, flush its files to disk, then swap it
+    in as ``dest``: ``dest`` holds the previous folder or the complete new one, never a mix."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    recover(dest)
+    tmp = partial_path(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                _fsync(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = partial_path(dest, "old")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def recover(dest: Path) -> None:
+    """If a swap into ``dest`` was cut between its renames, restore the folder renamed aside."""
+    dest = Path(dest)
+    if dest.exists():
+        return
+    for old in sorted(dest.parent.glob(f".{dest.name}.*.old")):
+        os.replace(old, dest)
+        return
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def remove_stale_partials(folder: Path) -> list[Path]:

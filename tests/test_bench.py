@@ -450,6 +450,34 @@ def test_bench_help_names_every_flag(capsys):
         assert flag in text, flag
 
 
+@pytest.mark.parametrize("argv", [
+    ["--workload", "code"],
+    ["--model", "m", "--draft", "d", "--compare-drafts", "d2,d3", "--methods", "none,suffix,lookahead,eagle,medusa",
+     "--sweep-k", "1,2,4", "--k-schedule", "both", "--draft-confidence", "0.25", "--draft-quantize", "none",
+     "--quantize", "int8", "--datastore", "store dir", "--lookahead-window", "5", "--lookahead-ngram", "3",
+     "--lookahead-candidates", "7", "--eagle-head", "head", "--medusa-heads", "heads", "--head-tree-width", "2",
+     "--dataset", "q.jsonl", "--limit", "3", "--max-tokens", "16", "--temperature", "0.7", "--seed", "9",
+     "--peers", "hf,llamacpp,vllm", "--llamacpp-server", "/bin/ls", "--llamacpp-args", "-ngl 9 --spec-draft-n-max 16",
+     "--vllm-python", "py", "--vllm-args", "--tensor-parallel-size 2", "--synthetic-acceptance", "0.9,0.5",
+     "--repeat", "2", "--dtype", "bfloat16", "--max-seq-len", "2048", "--endpoint-api", "completions",
+     "--timeout", "12.5"],
+    ["--workload", "chat", "-k", "3", "--endpoint", "http://127.0.0.1:1/v1", "--temperature", "1e-06"],
+])
+def test_reproducing_command_parses_back_to_the_same_options(argv):
+    import shlex
+
+    from specdecode.cli import build_parser
+    from specdecode.cli.bench import _command
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", *argv, "--out", "somewhere", "--no-progress"])
+    command = shlex.split(_command(args))
+    assert command[:2] == ["specdecode", "bench"] and "--out" not in command and "--no-progress" not in command
+    again = parser.parse_args(command[1:] + ["--out", "somewhere", "--no-progress"])
+    assert vars(again) == vars(args)
+    assert command[2:4] == ["--model", args.model] and "--methods" in command  # defaults a reader needs
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied and untied embeddings
 def test_hf_peer_shares_our_weights(tiny_models, arch):
     import torch

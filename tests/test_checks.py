@@ -62,7 +62,7 @@ def test_a_conversion_whose_file_changed_size_is_converted_again(tiny_entry: Cat
     assert resolve_model("tiny-test", progress=False) == folder and len(calls) == 2 and is_converted(folder)
 
 
-def test_a_cache_whose_size_changed_is_rebuilt_on_load(tiny_entry: CatalogEntry, capsys) -> None:
+def test_a_cache_whose_size_changed_is_rebuilt_on_load(tiny_entry: CatalogEntry, caplog) -> None:
     sources = catalog.find_weight_files(tiny_entry)
     native_weights(sources, progress=False)
     cached = cache_path(sources, specdecode_home())
@@ -71,21 +71,21 @@ def test_a_cache_whose_size_changed_is_rebuilt_on_load(tiny_entry: CatalogEntry,
     with open(cached, "ab") as f:
         f.write(b"\0" * 32)  # still parses: safetensors ignores trailing bytes
     native_weights(sources, progress=False)
-    assert "does not match its recorded size" in capsys.readouterr().err
+    assert "does not match its recorded size" in caplog.text
     assert checks.hash_file(cached) == record  # the repack is byte-identical
 
 
-def test_after_a_crash_a_cache_is_hashed_in_full(tiny_entry: CatalogEntry, capsys) -> None:
+def test_after_a_crash_a_cache_is_hashed_in_full(tiny_entry: CatalogEntry, caplog) -> None:
     sources = catalog.find_weight_files(tiny_entry)
     native_weights(sources, progress=False)
     cached = cache_path(sources, specdecode_home())
     record = checks.read_sidecar(cached)
     _zero_middle(cached)
     native_weights(sources, progress=False)  # no crash seen: the size matches, so it is used
-    assert capsys.readouterr().err == "" and checks.hash_file(cached) != record
+    assert caplog.text == "" and checks.hash_file(cached) != record
     (cached.parent / f".other.safetensors.{_dead_pid()}.partial").write_bytes(b"half")  # a writer died here
     native_weights(sources, progress=False)
-    assert "checksum" in capsys.readouterr().err and checks.hash_file(cached) == record
+    assert "checksum" in caplog.text and checks.hash_file(cached) == record
 
 
 def _as_pip_would_record(entry: CatalogEntry):  # noqa: ANN202

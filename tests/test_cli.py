@@ -197,3 +197,18 @@ def test_generate_structured_output_and_logprobs(tiny_pair, tmp_path):
     res = run_cli("generate", "--model", str(target), "--prompt", "x", "--regex", "[a-")
     assert res.returncode == 2 and "regex constraint is not valid" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_library_messages_reach_stderr_as_plain_lines(capsys):
+    """The CLI shows the library's log records as the bare text on the current stderr, once each,
+    however many times ``main`` configured it."""
+    import logging
+
+    from specdecode.cli import log_to_stderr
+
+    log_to_stderr()
+    log_to_stderr()
+    logging.getLogger("specdecode.models.packed").warning("specdecode: the packed cache m is damaged")
+    logging.getLogger("specdecode.files").info("waiting for another process doing a build ...")
+    assert capsys.readouterr().err == ("specdecode: the packed cache m is damaged\n"
+                                       "waiting for another process doing a build ...\n")

@@ -51,7 +51,7 @@ def test_a_broken_config_is_a_named_error(tiny_pair, tmp_path, text, match) -> N
         LLM(model=str(folder), max_seq_len=128, progress=False)
 
 
-def test_a_truncated_packed_cache_is_rebuilt(tiny_pair, tmp_path, capsys) -> None:
+def test_a_truncated_packed_cache_is_rebuilt(tiny_pair, tmp_path, caplog) -> None:
     folder = _copy(tiny_pair[0], tmp_path)
     want = LLM(model=str(folder), max_seq_len=128, progress=False).generate("hello", PARAMS)[0].token_ids
     caches = [p for p in (specdecode_home() / "packed").glob("model-*.safetensors")]
@@ -59,14 +59,14 @@ def test_a_truncated_packed_cache_is_rebuilt(tiny_pair, tmp_path, capsys) -> Non
     for cache in caches:
         cache.write_bytes(cache.read_bytes()[:1000])
     got = LLM(model=str(folder), max_seq_len=128, progress=False).generate("hello", PARAMS)[0].token_ids
-    assert got == want and "damaged" in capsys.readouterr().err
+    assert got == want and "damaged" in caplog.text
 
 
-def test_a_garbage_native_cache_is_repacked(tmp_path, capsys) -> None:
+def test_a_garbage_native_cache_is_repacked(tmp_path, caplog) -> None:
     path = tmp_path / "m.gguf"
     write_model_gguf(path, {"": "Q4_K"}, seed=7)
     want = LLM(model=str(path), max_seq_len=128, progress=False).generate("hi", PARAMS)[0].token_ids
     for cache in (specdecode_home() / "native").glob("m-*.safetensors"):
         cache.write_bytes(b"\x00" * 64)
     got = LLM(model=str(path), max_seq_len=128, progress=False).generate("hi", PARAMS)[0].token_ids
-    assert got == want and "repacking" in capsys.readouterr().err
+    assert got == want and "repacking" in caplog.text

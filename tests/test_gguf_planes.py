@@ -123,7 +123,7 @@ def test_the_default_build_is_the_fastest_this_cpu_runs(monkeypatch) -> None:
         kernel_build.gguf_flags("avx9")
 
 
-def test_a_failed_default_vnni_build_falls_back_to_avx2(monkeypatch, capsys) -> None:
+def test_a_failed_default_vnni_build_falls_back_to_avx2(monkeypatch, caplog) -> None:
     """The VNNI build needs a recent compiler (``-mavxvnni``: GCC 11); where it fails, models run
     on the AVX2 build (same bits) unless the VNNI build was asked for by name."""
     calls = []
@@ -139,7 +139,7 @@ def test_a_failed_default_vnni_build_falls_back_to_avx2(monkeypatch, capsys) -> 
     monkeypatch.setattr(kernel_build, "gguf_isa", lambda: "vnni")
     monkeypatch.delenv("SPECDECODE_GGUF_ISA", raising=False)
     assert unwrapped() == "avx2 build" and calls == ["vnni", "avx2"]
-    assert "VNNI build failed, using its AVX2 build" in capsys.readouterr().err
+    assert "VNNI build failed, using its AVX2 build" in caplog.text
     monkeypatch.setenv("SPECDECODE_GGUF_ISA", "vnni")
     with pytest.raises(UnsupportedModelError):
         unwrapped()
@@ -260,13 +260,13 @@ def test_native_prefill_equals_token_by_token(native_llm: LLM) -> None:
     assert torch.equal(whole, steps)
 
 
-def test_f16_gguf_defaults_to_float_and_native_is_refused_by_name(tmp_path: Path, capsys) -> None:
+def test_f16_gguf_defaults_to_float_and_native_is_refused_by_name(tmp_path: Path, caplog) -> None:
     from tests.test_gguf_convert import write_tiny_gguf
 
     path = tmp_path / "f16.gguf"
     write_tiny_gguf(path, "qwen2")  # F16 matrices: no native kernel
     llm = LLM(model=str(path), max_seq_len=128, progress=False)
-    assert llm.quantize is None and "dequantized to float32" in capsys.readouterr().err
+    assert llm.quantize is None and "dequantized to float32" in caplog.text
     with pytest.raises(UnsupportedModelError, match=r"token_embd\.weight is F16.*--quantize none"):
         LLM(model=str(path), max_seq_len=128, progress=False, quantize="native")
 

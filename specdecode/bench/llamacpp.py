@@ -19,12 +19,12 @@ the same weights, and where two near-tied logits swap, the continuations part.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +36,9 @@ from typing import Any
 from specdecode.bench.endpoint import endpoint_contestant, endpoint_url
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.bench.runner import Contestant
-from specdecode.files import file_lock, partial_path, remove_stale_partials, specdecode_home
+from specdecode.files import atomic_path, file_lock, remove_stale_partials, specdecode_home
+
+log = logging.getLogger(__name__)
 
 PLAIN, DRAFT = "llamacpp_target", "llamacpp_draft"
 STARTUP_TIMEOUT_S = 600.0
@@ -66,7 +68,8 @@ def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
         remove_stale_partials(target.parent)
         if target.is_file() and target.stat().st_size == size:
             return target
-        os.replace(join_parts(sources, partial_path(target), progress), target)
+        with atomic_path(target, sync=False) as partial:  # size-checked on use, joined again when short
+            join_parts(sources, partial, progress)
     return target
 
 
@@ -158,7 +161,7 @@ def llamacpp_contestants(
     for name, args in specs:
         args = [*args, *extra_args]
         if progress:
-            print(f"bench: starting {name}: {binary.name} {shlex.join(args)}", file=sys.stderr, flush=True)
+            log.info(f"bench: starting {name}: {binary.name} {shlex.join(args)}")
         server = ServerProcess([str(binary), *args], log_dir / f"{name}.log")
         stack.callback(server.stop)
         server.start()

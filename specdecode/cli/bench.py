@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli.options import add_draft_options, add_method_options, add_quantize_option, method_options
+from specdecode.cli.options import (add_draft_options, add_method_options, add_quantize_option, command_line,
+                                    method_options)
 from specdecode.config import (DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS, DTYPES)
 from specdecode.params import SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES
@@ -448,21 +449,10 @@ def _meta(args: argparse.Namespace, plan: Plan, *, model: str, draft: str | None
 
 
 def _command(args: argparse.Namespace) -> str:
-    """The command line that reproduces this run, rebuilt from the parsed options."""
-    parts = ["specdecode", "bench", "--model", args.model]
-    options = (("--draft", args.draft), ("--compare-drafts", args.compare_drafts), ("--methods", args.methods), ("--workload", args.workload),
-               ("--dataset", args.dataset), ("--limit", args.limit), ("--max-tokens", args.max_tokens),
-               ("--temperature", args.temperature), ("--seed", args.seed), ("--peers", args.peers),
-               ("--vllm-args", args.vllm_args or None), ("--synthetic-acceptance", args.synthetic_acceptance), ("--eagle-head", getattr(args, "eagle_head", None)),
-               ("--medusa-heads", getattr(args, "medusa_heads", None)),
-               ("--repeat", args.repeat), ("--dtype", args.dtype), ("--max-seq-len", args.max_seq_len),
-               ("--endpoint", args.endpoint), ("--draft-quantize", args.draft_quantize),
-               ("--quantize", getattr(args, "quantize", None)))
-    for flag, value in options:
-        if value is not None:
-            parts += [flag, str(value)]
-    if args.endpoint:
-        parts += ["--endpoint-api", args.endpoint_api, "--timeout", f"{args.timeout:g}"]
-    parts += ["--sweep-k", args.sweep_k] if args.sweep_k is not None else ["-k", str(args.k)]
-    parts += ["--k-schedule", args.k_schedule, "--draft-confidence", f"{args.draft_confidence:g}"]
-    return shlex.join(parts)
+    """The command line that reproduces this run: every bench flag that differs from its default
+    (``--quantize`` as the target ran), read from the parser so a new flag cannot be left out;
+    the model, methods and K always, so the line stays true when a default changes."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return shlex.join(["specdecode", "bench", *command_line(parser, args, always=("model", "methods", "k"),
+                                                            leave_out=("out", "no_progress"))])

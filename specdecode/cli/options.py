@@ -86,6 +86,32 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
                         "%(default)s)")
 
 
+def command_line(parser: argparse.ArgumentParser, args: argparse.Namespace, always: Sequence[str] = (),
+                 leave_out: Sequence[str] = ()) -> list[str]:
+    """The options of ``args`` as the user would type them, read from ``parser``'s own actions so
+    that a new flag can never be missing: each one whose value differs from its default, and those
+    named in ``always`` (destinations) unless another flag of their mutually exclusive group is
+    written. ``leave_out`` names destinations that do not change what runs (an output folder)."""
+    chosen = [a for a in parser._actions if a.option_strings and a.dest not in leave_out
+              and a.default is not argparse.SUPPRESS
+              and getattr(args, a.dest, a.default) != a.default]
+    for group in parser._mutually_exclusive_groups:
+        rivals = [a for a in group._group_actions if a in chosen]
+        chosen += [a for a in group._group_actions if a.dest in always and not rivals]
+    chosen += [a for a in parser._actions if a.dest in always and a not in chosen
+               and not any(a in g._group_actions for g in parser._mutually_exclusive_groups)]
+    words: list[str] = []
+    for action in sorted(chosen, key=parser._actions.index):
+        value, flag = getattr(args, action.dest, action.default), action.option_strings[0]
+        if action.nargs == 0:  # store_true and the like: the flag is the value
+            words.append(flag)
+        elif str(value).startswith("-"):  # an argument that looks like a flag, e.g. --llamacpp-args '-ngl 9'
+            words.append(f"{flag}={value}")
+        else:
+            words += [flag, str(value)]
+    return words
+
+
 def method_options(args: argparse.Namespace, methods: Sequence[str]) -> dict[str, Any]:
     """``LLM`` keyword arguments from the flags of ``add_method_options``; says so when
     ``--datastore`` is given but none of ``methods`` (the ones this command runs) reads it."""

@@ -138,12 +138,15 @@ def _end_requests_after_grace(server, scheduler, grace: float) -> None:
 
 
 def _log_like_uvicorn(level: str) -> None:
-    """The server's own messages (e.g. a generation that failed mid-stream) next to uvicorn's."""
+    """The server's own messages (e.g. a generation that failed mid-stream) next to uvicorn's, in
+    its format and at --log-level; they stop there (the library's plain stderr lines are for the
+    rest of specdecode's messages, which --log-level leaves as they are)."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-    logger = logging.getLogger("specdecode")
+    logger = logging.getLogger("specdecode.server")
     logger.addHandler(handler)
     logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def _check(args: argparse.Namespace) -> None:

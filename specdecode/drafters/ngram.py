@@ -23,12 +23,13 @@ from specdecode.drafters.base import Drafter
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 
 MAX_OCCURRENCES = 4  # positions kept per n-gram: the earliest and the next few
+NGRAM_MIN, NGRAM_MAX = 1, 4  # the default n-gram lengths (SpecConfig's, and vLLM's prompt lookup in an export)
 
 
 class NgramDrafter(Drafter):
     name: ClassVar[str] = "ngram"
 
-    def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
+    def __init__(self, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> None:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self._index: dict[tuple[int, ...], list[int]] = {}

@@ -22,6 +22,7 @@ from specdecode.heads.medusa_format import load_medusa_for
 from specdecode.models.catalog import resolve_model
 from specdecode.models.config import ModelConfig
 from specdecode.tokenizer import Tokenizer
+from specdecode.params import MAX_SPECULATIVE_TOKENS
 
 
 def bench_advice(bench_dir: Path, method: str | None) -> tuple[str, int | None, dict[str, Any]]:
@@ -61,8 +62,8 @@ def plan_export(*, model: str | None, method: str | None, draft: str | None, eag
     ``dtype`` when it loads them (the bench's exports: no gigabytes written per contestant)."""
     if tensor_parallel_size < 1:
         raise InvalidConfigError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
-    if k is not None and not 1 <= k <= 32:
-        raise InvalidConfigError(f"-k must be in [1, 32], got {k}")
+    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidConfigError(f"-k must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise InvalidConfigError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if eagle_head and medusa_heads:

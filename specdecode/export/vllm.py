@@ -32,10 +32,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdecode.drafters.ngram import NGRAM_MAX, NGRAM_MIN
 from specdecode.errors import InvalidConfigError
 from specdecode.export.model_files import source_folder, write_model_folder
+from specdecode.files import write_folder
 from specdecode.heads.eagle3_format import load_head_for, save_eagle3
-from specdecode.heads.folders import write_folder
 from specdecode.heads.medusa_format import load_medusa_for, save_medusa
 from specdecode.models.config import ModelConfig, config_fingerprint
 
@@ -44,7 +45,6 @@ EXPORT_FILE = "export.json"
 CONFIG_FILE = "speculative_config.json"
 SCRIPT_FILE = "serve.sh"
 DEFAULT_VLLM_K = 5
-NGRAM_MIN, NGRAM_MAX = 1, 4  # the n-gram lengths our ngram drafter matches (drafters/ngram.py)
 
 # Our method -> vLLM's ``method``.
 VLLM_METHODS: dict[str, str | None] = {

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from specdecode.files import partial_path
+from specdecode.files import atomic_path
 
 _CHUNK = 16 << 20
 
@@ -86,10 +85,8 @@ def hash_file(path: Path, progress: bool = False) -> Record:
 
 def write_sidecar(target: Path, record: Record) -> None:
     """Record ``target``'s size and hash; call it before renaming the file to ``target``."""
-    side = sidecar(target)
-    tmp = partial_path(side)
-    tmp.write_text(json.dumps(record.to_json()) + "\n")
-    os.replace(tmp, side)
+    with atomic_path(sidecar(target), sync=False) as tmp:
+        tmp.write_text(json.dumps(record.to_json()) + "\n")
 
 
 def read_sidecar(path: Path) -> Record | None:

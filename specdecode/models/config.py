@@ -17,6 +17,10 @@ from typing import Any
 from specdecode.errors import InvalidConfigError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+# The compute dtypes and draft quantizations a decoder takes, named here (a leaf the settings in
+# ``specdecode/config.py`` and the decoder both read) so that they are listed once.
+DTYPES = ("float32", "bfloat16")
+DRAFT_MODES = ("int8", "int4")
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

@@ -21,12 +21,12 @@ from torch import Tensor
 from specdecode.models.cache import KVCache
 from specdecode.errors import InvalidConfigError
 from specdecode.models import kernels, quant
-from specdecode.models.config import ModelConfig
+from specdecode.models.config import DTYPES as DTYPE_NAMES, ModelConfig
 from specdecode.models.gguf_convert import MARKER_NAME, gguf_sources, write_float_weights
 from specdecode.models.gguf_planes import GGUFLinear, GGUFWeight
 from specdecode.models.packed import load_packed
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ memory is one tensor (the embedding), not the whole fp32 model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -32,9 +33,11 @@ from typing import Any
 import numpy as np
 
 from specdecode.errors import ModelNotFoundError, UnsupportedModelError
-from specdecode.files import partial_path, remove_stale_partials
+from specdecode.files import atomic_path, partial_path, remove_stale_partials, write_folder
 from specdecode.models import checks
 from specdecode.tokenizer import tokenizer_files_from_gguf
+
+log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
 MARKER_NAME = "specdecode_conversion.json"  # written last: its presence means "finished"
@@ -101,8 +104,9 @@ def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: boo
     copy is 7x its size): a model run natively never reads it, and ``write_float_weights`` makes
     it later for whoever needs floats (``--quantize none``, transformers as a peer).
 
-    Everything is written into ``<out_dir>.partial`` and renamed at the end, so ``out_dir``
-    either holds a complete conversion (with its marker file) or does not exist.
+    Everything is written into a partial folder beside ``out_dir`` and swapped in at the end
+    (``files.write_folder``), so ``out_dir`` either holds a complete conversion (with its marker
+    file) or does not exist; a killed conversion's folder is removed by the next one.
     """
     parts = [Path(gguf_paths)] if isinstance(gguf_paths, (str, os.PathLike)) else [Path(p) for p in gguf_paths]
     if not parts:
@@ -112,14 +116,13 @@ def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: boo
             raise ModelNotFoundError(f"GGUF file not found: {part}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_dir.with_name(out_dir.name + ".partial")  # not with_suffix: "qwen2.5-..." has a dot
     joined = out_dir.with_name(f".{out_dir.name}.joined.gguf")
-    shutil.rmtree(partial, ignore_errors=True)
+    remove_stale_partials(out_dir.parent)
     _check_disk_space(parts, out_dir.parent)
     started = time.monotonic()
-    try:
+
+    def write(partial: Path) -> None:
         gguf_file = parts[0] if len(parts) == 1 else join_parts(parts, joined, progress)
-        partial.mkdir(parents=True)
         _convert_into(gguf_file, partial, progress, float_weights)
         _write_json(partial / MARKER_NAME, {
             "converter_version": CONVERTER_VERSION, "sources": [str(p) for p in parts],
@@ -127,10 +130,9 @@ def convert_gguf(gguf_paths: Sequence[Path] | Path, out_dir: Path, progress: boo
             "files": {f.name: checks.hash_file(f).to_json() for f in sorted(partial.glob("*.json"))
                       if not f.name.endswith(".check.json")},  # model.safetensors has its own record
         })
-        _replace_dir(partial, out_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+
+    try:
+        write_folder(out_dir, write)
     finally:
         joined.unlink(missing_ok=True)
     return out_dir
@@ -169,24 +171,22 @@ def write_float_weights(folder: Path, progress: bool = True) -> Path:
     if target.is_file():
         if checks.intact(target, full=crashed, progress=progress):
             return target
-        print(f"specdecode: {target} does not match its recorded size or checksum; dequantizing it again",
-              file=sys.stderr)
+        log.warning(f"specdecode: {target} does not match its recorded size or checksum; dequantizing it again")
         checks.remove_with_sidecar(target)
     parts = gguf_sources(Path(folder))
     _check_disk_space(parts, Path(folder))
-    joined, partial = partial_path(target, "joined.gguf"), partial_path(target)
+    joined = partial_path(target, "joined.gguf")
     try:
-        gguf_file = parts[0] if len(parts) == 1 else join_parts(parts, joined, progress)
-        reader = _open_reader(gguf_file)
-        meta = _metadata(reader, include_arrays=False)
-        arch_name = str(meta.get("general.architecture"))
-        config = json.loads((Path(folder) / "config.json").read_text())
-        jobs = _plan_tensors({t.name: t for t in reader.tensors}, config, _ARCHS[arch_name])
-        checks.write_sidecar(target, _write_safetensors(partial, jobs, progress))
-        os.replace(partial, target)
+        with atomic_path(target) as partial:
+            gguf_file = parts[0] if len(parts) == 1 else join_parts(parts, joined, progress)
+            reader = _open_reader(gguf_file)
+            meta = _metadata(reader, include_arrays=False)
+            arch_name = str(meta.get("general.architecture"))
+            config = json.loads((Path(folder) / "config.json").read_text())
+            jobs = _plan_tensors({t.name: t for t in reader.tensors}, config, _ARCHS[arch_name])
+            checks.write_sidecar(target, _write_safetensors(partial, jobs, progress))
     finally:
         joined.unlink(missing_ok=True)
-        partial.unlink(missing_ok=True)
     return target
 
 
@@ -355,8 +355,6 @@ def _write_safetensors(path: Path, jobs: list[_Job], progress: bool) -> checks.R
             array = dequantize_tensor(job.tensor, job.shape, job.unpermute_heads)
             hashing.write(memoryview(array).cast("B"))
             del array
-        f.flush()
-        os.fsync(f.fileno())
     if path.stat().st_size != 8 + len(blob) + offset:
         raise OSError(f"short write of {path}")
     return hashing.record()
@@ -407,16 +405,6 @@ def _check_disk_space(parts: list[Path], folder: Path) -> None:
     free = shutil.disk_usage(folder).free
     if free < need:
         raise OSError(f"not enough disk space in {folder}: {free >> 20} MiB free, need about {need >> 20} MiB")
-
-
-def _replace_dir(src: Path, dest: Path) -> None:
-    """Rename ``src`` to ``dest``, moving an older ``dest`` aside first and deleting it after."""
-    old = dest.with_name(dest.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        dest.rename(old)
-    src.rename(dest)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ describe the same model.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,6 +26,8 @@ from specdecode.models import checks, gguf_convert, gguf_planes
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_planes import GGUFLinear, GGUFWeight
 
+log = logging.getLogger(__name__)
+
 NativeWeights = dict[str, "Tensor | GGUFWeight"]
 
 
@@ -39,8 +42,8 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
     if refused.is_file():
         raise UnsupportedModelError(refused.read_text())
     if cached.is_file() and not checks.intact(cached, full=crashed, progress=progress):
-        print(f"specdecode: the repacked cache {cached.name} does not match its recorded size or checksum; "
-              "repacking", file=sys.stderr)
+        log.warning(f"specdecode: the repacked cache {cached.name} does not match its recorded size or checksum; "
+                    "repacking")
         checks.remove_with_sidecar(cached)
     if not cached.is_file():
         try:
@@ -52,8 +55,7 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
     try:
         return _read(cached)
     except Exception as exc:  # noqa: BLE001 - truncated or garbage planes: derived, so repack
-        print(f"specdecode: the repacked cache {cached.name} is damaged ({str(exc)[:80]}); repacking",
-              file=sys.stderr)
+        log.warning(f"specdecode: the repacked cache {cached.name} is damaged ({str(exc)[:80]}); repacking")
         checks.remove_with_sidecar(cached)
         _build(sources, cached, progress)
         return _read(cached)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import torch
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
-from specdecode.files import partial_path
+from specdecode.files import atomic_path, partial_path
 from specdecode.models import checks, kernel_build
 
 REPACK_VERSION = 2
@@ -166,36 +165,32 @@ def write_atomic(target: Path, arrays: Iterator[tuple[str, np.ndarray]], metadat
     place when whole, its size and hash recorded beside it (``checks``). The data goes to a side
     file first (the header, which comes first in the file, is known only at the end);
     ``metadata`` is asked for once every array has been seen."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp, data = partial_path(target), partial_path(target, "data")
+    data = partial_path(target, "data")
     try:
-        header: dict[str, Any] = {}
-        with open(data, "wb") as f:
-            for name, arr in arrays:
-                pad = -f.tell() % 32  # 32-byte aligned planes for aligned vector loads
-                if pad:  # safetensors wants the data covered: padding is a tensor of its own
-                    header[f"__pad{f.tell()}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [f.tell(), f.tell() + pad]}
-                    f.write(b"\0" * pad)
-                start = f.tell()
-                f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
-                header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape), "data_offsets": [start, f.tell()]}
-            size = f.tell()
-        header["__metadata__"] = metadata()
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-(8 + len(blob)) % 32)
-        with open(tmp, "wb") as out, open(data, "rb") as src:
-            hashing = checks.HashingWriter(out)
-            hashing.write(len(blob).to_bytes(8, "little"))
-            hashing.write(blob)
-            shutil.copyfileobj(src, hashing, 16 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        if tmp.stat().st_size != 8 + len(blob) + size:
-            raise OSError(f"short write of {tmp}")
-        checks.write_sidecar(target, hashing.record())
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:
+            header: dict[str, Any] = {}
+            with open(data, "wb") as f:
+                for name, arr in arrays:
+                    pad = -f.tell() % 32  # 32-byte aligned planes for aligned vector loads
+                    if pad:  # safetensors wants the data covered: padding is a tensor of its own
+                        header[f"__pad{f.tell()}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [f.tell(), f.tell() + pad]}
+                        f.write(b"\0" * pad)
+                    start = f.tell()
+                    f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+                    header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape), "data_offsets": [start, f.tell()]}
+                size = f.tell()
+            header["__metadata__"] = metadata()
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-(8 + len(blob)) % 32)
+            with open(tmp, "wb") as out, open(data, "rb") as src:
+                hashing = checks.HashingWriter(out)
+                hashing.write(len(blob).to_bytes(8, "little"))
+                hashing.write(blob)
+                shutil.copyfileobj(src, hashing, 16 << 20)
+            if tmp.stat().st_size != 8 + len(blob) + size:
+                raise OSError(f"short write of {tmp}")
+            checks.write_sidecar(target, hashing.record())
     finally:
-        tmp.unlink(missing_ok=True)
         data.unlink(missing_ok=True)
 
 

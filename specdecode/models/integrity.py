@@ -17,8 +17,8 @@ from importlib import metadata
 from pathlib import Path
 
 from specdecode.errors import ModelNotFoundError, WeightsMissingError
-from specdecode.models import checks
 from specdecode.files import specdecode_home
+from specdecode.models import checks
 from specdecode.models.catalog import CATALOG, CatalogEntry, find_weight_files
 from specdecode.models.checks import Record, State
 from specdecode.models.gguf_convert import MARKER_NAME

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -27,6 +27,8 @@ import torch
 
 from specdecode.errors import UnsupportedModelError
 from specdecode.files import file_lock, specdecode_home
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_rows.cpp"
 INT4_SOURCE = Path(__file__).parent / "csrc" / "linear_int4.cpp"
@@ -160,15 +162,14 @@ def load_gguf(isa: str | None = None) -> ModuleType:
     compiler too old for ``-mavxvnni``) falls back to the AVX2 build, which has the same bits."""
     if isa is None:
         if not cpu_has_avx2_fma():
-            print("specdecode: this CPU lacks AVX2/FMA; GGUF models run on the portable kernel (slower)",
-                  file=sys.stderr)
+            log.warning("specdecode: this CPU lacks AVX2/FMA; GGUF models run on the portable kernel (slower)")
         isa = gguf_isa()
         if isa != "vnni" or os.environ.get("SPECDECODE_GGUF_ISA"):
             return load_gguf(isa)
         try:
             return load_gguf("vnni")
         except UnsupportedModelError as exc:
-            print(f"specdecode: the GGUF kernel's VNNI build failed, using its AVX2 build ({exc})", file=sys.stderr)
+            log.warning(f"specdecode: the GGUF kernel's VNNI build failed, using its AVX2 build ({exc})")
             return load_gguf("avx2")
     _check_isa(isa)
 
@@ -210,7 +211,7 @@ def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType
     build = Path(root) / digest
     with file_lock(build / ".specdecode.lock", f"the build of the {name} kernel") as locked:
         if locked and remove_stale_baton(build):
-            print(f"specdecode: removed {build / 'lock'}, left by a build that was killed", file=sys.stderr)
+            log.warning(f"specdecode: removed {build / 'lock'}, left by a build that was killed")
         try:
             return cpp_extension.load(
                 name=f"specdecode_{name}_{digest}",
@@ -240,11 +241,10 @@ def remove_stale_baton(build: Path) -> bool:
 
 
 def _int4_unavailable(reason: str) -> None:
-    print(f"specdecode: int4 draft kernel unavailable, {reason}; the draft stays int8", file=sys.stderr)
+    log.warning(f"specdecode: int4 draft kernel unavailable, {reason}; the draft stays int8")
     return None
 
 
 def _unavailable(reason: str) -> None:
-    print(f"specdecode: native kernel unavailable, {reason}; using the slower portable path",
-          file=sys.stderr)
+    log.warning(f"specdecode: native kernel unavailable, {reason}; using the slower portable path")
     return None

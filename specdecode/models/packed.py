@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
+import logging
 from pathlib import Path
 
 import torch
@@ -23,9 +22,11 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError, WeightsMissingError
-from specdecode.files import partial_path, remove_stale_partials, specdecode_home
+from specdecode.files import atomic_path, remove_stale_partials, specdecode_home
 from specdecode.models import checks
 from specdecode.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 PACK_VERSION = 2
 
@@ -43,8 +44,7 @@ def load_packed(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str
                 raise ValueError("its size or checksum differs from the record")
             return _read(cached)
         except Exception as exc:  # noqa: BLE001 - truncated or garbage: a derived file, so rebuild it
-            print(f"specdecode: the packed cache {cached.name} is damaged ({str(exc)[:80]}); rebuilding it",
-                  file=sys.stderr)
+            log.warning(f"specdecode: the packed cache {cached.name} is damaged ({str(exc)[:80]}); rebuilding it")
             checks.remove_with_sidecar(cached)
     weights = _read_all(files)
     config.check_layers(weights, path)
@@ -52,7 +52,7 @@ def load_packed(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str
     try:
         _write_atomic(cached, packed)
     except OSError as exc:  # a read-only home must not stop generation, only slow the next load
-        print(f"specdecode: could not cache packed weights ({exc.strerror}); continuing", file=sys.stderr)
+        log.warning(f"specdecode: could not cache packed weights ({exc.strerror}); continuing")
         return packed
     del packed
     return _read(cached)  # memory-mapped: the packed copy in RAM is released
@@ -107,11 +107,6 @@ def _read_all(files: list[Path]) -> dict[str, Tensor]:
 
 
 def _write_atomic(target: Path, tensors: dict[str, Tensor]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_path(target)
-    try:
+    with atomic_path(target, sync=False) as tmp:  # a cache: checked against its record, else repacked
         save_file(tensors, str(tmp), metadata={"pack_version": str(PACK_VERSION)})
         checks.write_sidecar(target, checks.hash_file(tmp))
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)

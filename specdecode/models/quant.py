@@ -11,7 +11,7 @@ what bounds one-token decoding. The target stays in float32 unless the user asks
 
 from __future__ import annotations
 
-import sys
+import logging
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -20,8 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specdecode.models.config import DRAFT_MODES
+
+log = logging.getLogger(__name__)
+
 QUANTIZE_MODES = ("int8",)  # for a target
-DRAFT_MODES = ("int8", "int4")
 INT4_GROUP = 64  # inputs per int4 scale: one VPDPBUSD (VNNI) or two VPMADDUBSW (AVX2) per group and output
 INT4_MAX_ROWS = 8  # calls with more rows (a prefill, or a draft catching up on a long n-gram copy) take int8
 
@@ -33,7 +36,7 @@ def usable_mode(mode: str | None, dtype: str) -> str | None:
     if mode in (None, "none") or dtype != "float32":
         return None
     if mode in DRAFT_MODES and "fbgemm" not in torch.backends.quantized.supported_engines:
-        print("specdecode: this torch build has no fbgemm; the draft stays in float32", file=sys.stderr)
+        log.warning("specdecode: this torch build has no fbgemm; the draft stays in float32")
         return None
     if mode == "int4":
         from specdecode.models import kernel_build

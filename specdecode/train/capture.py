@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from specdecode.engine.generation import PREFILL_CHUNK
+from specdecode.files import atomic_path
 from specdecode.models.decoder import Decoder, HiddenCapture
 
 TOP = 32  # next-token candidates kept per position
@@ -76,9 +77,8 @@ def save_examples(examples: Sequence[Example], path: Path) -> None:
     for i, ex in enumerate(examples):
         for name in Example.__slots__:
             tensors[f"{i}.{name}"] = getattr(ex, name).contiguous()
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp))
-    tmp.replace(path)
+    with atomic_path(path, sync=False) as tmp:  # captured again if lost
+        save_file(tensors, str(tmp))
 
 
 def load_examples(path: Path) -> list[Example]:

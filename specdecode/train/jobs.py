@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shlex
 import shutil
 import sys
@@ -33,6 +34,8 @@ from specdecode.train.capture import (Example, TrainingSequence, capture, draft_
                                       save_examples)
 from specdecode.train.data import DataConfig, Respond, load_sequences
 from specdecode.train.loop import LoopConfig, LoopState
+
+log = logging.getLogger(__name__)
 
 CAPTURE_DIR = ".capture"
 SHARD = 64  # examples per capture file
@@ -95,7 +98,7 @@ def prepare(opts: TrainOptions, layers_for: Callable[[ModelConfig], Sequence[int
         manifest = json.loads((folder / "manifest.json").read_text())
         examples = [ex for shard in manifest["shards"] for ex in load_examples(folder / shard)]
         split = manifest["train"]
-        print(f"specdecode: reusing {len(examples)} captured sequences from {folder}", file=sys.stderr)
+        log.info(f"specdecode: reusing {len(examples)} captured sequences from {folder}")
         return llm, examples[:split], examples[split:], manifest["data"]
     # With ``rewrite`` every response is written below, once: prompts get a stand-in answer here.
     train_seqs, val_seqs = load_sequences(opts.sources, llm.tokenizer, opts.data,

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from specdecode.errors import CheckpointError
-from specdecode.heads.folders import recover, write_folder
+from specdecode.files import recover, write_folder
 from specdecode.train.capture import Example
 
 CHECKPOINT_DIR = "checkpoint"

@@ -10,14 +10,13 @@ than silently applied to a model it was not measured on.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
 from specdecode.errors import InvalidConfigError
+from specdecode.files import atomic_path
 from specdecode.models.config import ModelConfig, config_fingerprint
 
 SKIP_FILE_NAME = "specdecode-self.json"
@@ -86,19 +85,11 @@ def skip_file(model_dir: Path) -> Path:
 
 
 def save_skip(choice: SkipChoice, path: Path) -> Path:
-    """Write ``choice`` as JSON atomically (temp file + rename): readers never see half a file."""
+    """Write ``choice`` as JSON atomically (``files.atomic_path``): readers never see half a file."""
     path = Path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(asdict(choice), handle, indent=2)
-                handle.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(asdict(choice), indent=2) + "\n")
     except OSError as exc:
         raise InvalidConfigError(
             f"cannot write the calibration to {path}: {exc.strerror}; pass --output PATH somewhere writable"
