@@ -9,7 +9,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.engine.draft_length import DraftLength
 from specdecode.errors import InvalidConfigError
 from specdecode.models.decoder import Decoder
-from specdecode.models.quant import linear_int8_fbgemm, pack_int8
+from specdecode.models.draft_quant import linear_int8_fbgemm, pack_int8
 
 PROMPTS = ["def f(x): return x + 1\ndef g(", "class A:\n    def __init__(self", "abc abc abc abd"]
 

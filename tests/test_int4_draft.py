@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.models import quant
+from specdecode.models import draft_heads, draft_quant
+from specdecode.models.int8_rows import Int8Rows
 from specdecode.models.decoder import Decoder
 from tests.conftest import make_tiny_model
 
@@ -32,7 +33,7 @@ def test_fused_forward_matches_the_torch_layers(tiny_models, arch):
     model.forward(prompt[:30], plain, last_only=True)
     torch.testing.assert_close(fused.k, plain.k)
     kernel, offset = model._fused, 30
-    for n in (1, 3, quant.INT4_MAX_ROWS):
+    for n in (1, 3, draft_quant.INT4_MAX_ROWS):
         rows = prompt[offset - n : offset] if n > 1 else prompt[offset : offset + 1]
         got = model.forward(rows, fused)
         model._fused = None
@@ -55,7 +56,7 @@ def test_fused_forward_only_for_an_all_int4_draft(tiny_models, tmp_path):
     # An MLP width off the 64-input groups packs ``down`` int8, so the model keeps the torch layers.
     odd = make_tiny_model(tmp_path / "odd", "qwen2", intermediate_size=96)
     model = Decoder.from_dir(odd, batch_invariant=False, quantize="int4")
-    assert model._fused is None and not isinstance(model.layers[0].down, quant.Int4Groups)
+    assert model._fused is None and not isinstance(model.layers[0].down, draft_quant.Int4Groups)
     cache = model.new_cache(16)
     assert model.forward(torch.tensor([1, 2, 3]), cache).shape == (3, 96)
 
@@ -74,13 +75,13 @@ def test_draft_copy_packs_every_linear_once_and_stays_close():
     for many), made once per head object, close to the float head on both paths."""
     torch.manual_seed(0)
     head = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.SiLU(), torch.nn.Linear(64, 32, bias=False))
-    copy = quant.draft_copy(head)
-    assert quant.draft_copy(head) is copy  # shared by every drafter of this head
+    copy = draft_heads.draft_copy(head)
+    assert draft_heads.draft_copy(head) is copy  # shared by every drafter of this head
     assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
     assert all(isinstance(m, torch.nn.Linear) for m in (head[0], head[2]))  # the training form is untouched
     # Measured: 6.5% relative error with 4-bit weights, 2% on the int8 copy; a missing bias or a
     # wrong layout gives about 100%.
-    for rows, tol in ((1, 0.1), (quant.INT4_MAX_ROWS + 5, 0.04)):
+    for rows, tol in ((1, 0.1), (draft_quant.INT4_MAX_ROWS + 5, 0.04)):
         x = torch.randn(rows, 128)
         with torch.no_grad():
             assert _close(copy(x), head(x), tol=tol)
@@ -91,8 +92,8 @@ def test_an_int4_draft_from_float_weights_prefills_with_float_activations(tiny_m
     outlier does not blur its neighbours, as one activation scale per call would."""
     model = Decoder.from_dir(tiny_models["qwen2"], batch_invariant=False, quantize="int4")
     w = model.layers[0].qkv
-    assert isinstance(w, quant.Int4Groups) and isinstance(w.int8, quant.Int8Rows)
+    assert isinstance(w, draft_quant.Int4Groups) and isinstance(w.int8, Int8Rows)
     x = torch.randn(16, w.packed.shape[1] * 2)
     x[0] *= 1000.0  # an outlier row
     want = x[1:] @ w.int8.dequantize().T
-    assert _close(quant.linear_draft(x, w)[1:], want, tol=1e-4)
+    assert _close(draft_quant.linear_draft(x, w)[1:], want, tol=1e-4)

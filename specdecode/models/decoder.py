@@ -20,10 +20,12 @@ from torch import Tensor
 
 from specdecode.models.cache import KVCache
 from specdecode.errors import InvalidConfigError
-from specdecode.models import kernels, quant
+from specdecode.models import draft_quant, kernels
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
 from specdecode.models.gguf_native import GGUFLinear, GGUFWeight, gguf_sources
+from specdecode.models.int4_forward import fused_int4_draft
+from specdecode.models.int8_rows import QUANTIZE_MODES, quantize_rows
 from specdecode.models.packed import load_packed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,7 +54,7 @@ class HiddenCapture:
 @dataclass(slots=True)
 class LayerWeights:
     in_norm: Tensor  # [D]
-    qkv: Tensor  # [(H + 2*Hkv) * d, D]; the four projections may be prepacked int8 (quant.py)
+    qkv: Tensor  # [(H + 2*Hkv) * d, D]; the four projections may be prepacked int8 (draft_quant.py)
     qkv_bias: Tensor | None  # [(H + 2*Hkv) * d]
     o: Tensor  # [D, H*d]
     post_norm: Tensor  # [D]
@@ -75,7 +77,7 @@ class Decoder:
         """``packed``: compute-layout tensors as made by ``packed.pack``; ``native``: use the
         compiled kernel (None = when available), False forces the portable torch path;
         ``quantize="int8"``: int8 linear weights, per-row int8 with float activations for a
-        batch-invariant model (a target), fbgemm's dynamic int8 for a draft (see ``quant.py``)."""
+        batch-invariant model (a target), fbgemm's dynamic int8 for a draft (see ``draft_quant.py``)."""
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
@@ -114,7 +116,7 @@ class Decoder:
         if quantize == "native":
             return cls.from_gguf(gguf_sources(Path(path)), config, dtype, batch_invariant)
         gguf_folder = (Path(path) / MARKER_NAME).is_file()
-        if gguf_folder and not batch_invariant and quantize in quant.DRAFT_MODES and dtype == "float32":
+        if gguf_folder and not batch_invariant and quantize in draft_quant.DRAFT_MODES and dtype == "float32":
             # A quantized draft from a GGUF: each matrix dequantized from the GGUF planes just
             # before it is packed, so no float32 copy of the model is written or held whole.
             from specdecode.models import gguf_load
@@ -148,32 +150,32 @@ class Decoder:
     def _quantize(self, mode: str) -> None:
         """int8 (or, for a draft, int4) weights. A batch-invariant model (a target) gets per-row
         int8 weights with float activations, whose rows stay invariant; a draft gets fbgemm's
-        faster dynamic int8, or int4 weights for its decode rows (``quant.Int4Groups``)."""
-        modes = quant.QUANTIZE_MODES if self.batch_invariant else quant.DRAFT_MODES
+        faster dynamic int8, or int4 weights for its decode rows (``draft_quant.Int4Groups``)."""
+        modes = QUANTIZE_MODES if self.batch_invariant else draft_quant.DRAFT_MODES
         if mode not in modes or self.dtype != torch.float32:
             raise InvalidConfigError(f"quantize must be one of {modes} with float32, got {mode!r}")
         if self.batch_invariant:
-            self.lm_head = quant.quantize_rows(self.lm_head)
+            self.lm_head = quantize_rows(self.lm_head)
             for w in self.layers:
-                w.qkv, w.o = quant.quantize_rows(w.qkv), quant.quantize_rows(w.o)
-                w.gate_up, w.down = quant.quantize_rows(w.gate_up), quant.quantize_rows(w.down)
+                w.qkv, w.o = quantize_rows(w.qkv), quantize_rows(w.o)
+                w.gate_up, w.down = quantize_rows(w.gate_up), quantize_rows(w.down)
             self._linear = kernels.LinearKernel(kernels.linear_int8_invariant, invariant=True)
             return
-        packer = quant.pack_int4 if mode == "int4" else quant.pack_int8
+        packer = draft_quant.pack_int4 if mode == "int4" else draft_quant.pack_int8
 
         def pack(w: Tensor | GGUFLinear) -> object:
             if isinstance(w, GGUFLinear):
-                return quant.pack_int4(w.dequantize(), many_rows=w) if mode == "int4" else packer(w.dequantize())
+                return draft_quant.pack_int4(w.dequantize(), many_rows=w) if mode == "int4" else packer(w.dequantize())
             # Calls of many rows (the prompt's prefill) keep float activations on per-row int8
             # weights: fbgemm's one activation scale per call lets one row's outliers blur the rest.
-            return quant.pack_int4(w, many_rows=quant.quantize_rows(w)) if mode == "int4" else packer(w)
+            return draft_quant.pack_int4(w, many_rows=quantize_rows(w)) if mode == "int4" else packer(w)
 
         self.lm_head = pack(self.lm_head)
         for w in self.layers:
             w.qkv, w.o = pack(w.qkv), pack(w.o)
             w.gate_up, w.down = pack(w.gate_up), pack(w.down)
-        self._linear = kernels.LinearKernel(quant.linear_draft, invariant=False)
-        self._fused = quant.fused_int4_draft(self)
+        self._linear = kernels.LinearKernel(draft_quant.linear_draft, invariant=False)
+        self._fused = fused_int4_draft(self)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A cache for ``capacity`` tokens, rounded up to whole attention key blocks."""
@@ -193,7 +195,7 @@ class Decoder:
         With ``tree`` (row i's parent row, -1 for row 0), row i attends to the cache and its own
         ancestors instead; see ``forward_batch``. ``capture`` receives the rows' hidden states.
         """
-        if self._fused is not None and tree is None and capture is None and tokens.shape[0] <= quant.INT4_MAX_ROWS:
+        if self._fused is not None and tree is None and capture is None and tokens.shape[0] <= draft_quant.INT4_MAX_ROWS:
             start = cache.reserve(tokens.shape[0])
             rows = self.embed_tokens(tokens) if isinstance(self.embed, GGUFWeight) else tokens
             return self._fused.forward(rows, cache.k, cache.v, start, last_only)
