@@ -36,7 +36,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(path)
     draft_quant.INT4_MAX_ROWS = 1 << 30  # teacher forcing feeds whole answers: keep them on the int4 kernel
     for mode in args.quantize.split(","):
-        model = Decoder.from_dir(path, batch_invariant=False, quantize=None if mode == "none" else mode)
+        model = Decoder.from_dir(path, role="draft", quantize=None if mode == "none" else mode)
         hits = total = 0
         per_category: dict[str, list[int]] = {}
         for pid, answer in answers.items():

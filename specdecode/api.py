@@ -100,7 +100,7 @@ class LLM:
             # The draft's numerics never affect exactness, so it takes the fast single-row path.
             draft_quantize = draft_quant.usable_mode(draft_quantize, dtype)
             draft_path = resolve_model(draft, progress=progress)
-            self.draft_model = Decoder.from_dir(draft_path, dtype, batch_invariant=False, quantize=draft_quantize)
+            self.draft_model = Decoder.from_dir(draft_path, dtype, role="draft", quantize=draft_quantize)
             self.draft_tokenizer = self._foreign_tokenizer(draft, draft_path)
             if self.draft_tokenizer is not None:
                 print(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "

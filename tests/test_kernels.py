@@ -180,15 +180,15 @@ low = torch.zeros(5, 128 // 2, dtype=torch.uint8)
 scales, offset = torch.ones(5, 2), torch.full((5,), 128.0 * -8 * 128)
 x = torch.ones(3, 128)
 torch.testing.assert_close(k.linear_int4(x, low, scales, offset), torch.full((3, 5), -8.0 * 128))
-model = Decoder.from_dir(sys.argv[1], batch_invariant=False, quantize="int4")
+model = Decoder.from_dir(sys.argv[1], role="draft", quantize="int4")
 fused, plain = model.new_cache(64), model.new_cache(64)
 prompt = torch.randint(0, 96, (20,), generator=g)
+layered = model.with_backend(model.backend.layered())
 model.forward(prompt[:17], fused)
-model.forward(prompt[:17], plain)
-assert model._fused is not None
+layered.forward(prompt[:17], plain)
+assert model.backend.fused is not None
 got = model.forward(prompt[17:], fused)
-model._fused = None
-want = model.forward(prompt[17:], plain)
+want = layered.forward(prompt[17:], plain)
 assert (got - want).norm() <= 1e-3 * want.norm()
 """
     env = {**os.environ, "SPECDECODE_AVX512": "0"}

@@ -156,7 +156,7 @@ def load_draft(llm: LLM, name: str, draft_quantize: str | None) -> Decoder:
     from specdecode.tokenizer import Tokenizer
 
     path = resolve_model(name)
-    draft = Decoder.from_dir(path, llm.model_spec.dtype, batch_invariant=False,
+    draft = Decoder.from_dir(path, llm.model_spec.dtype, role="draft",
                              quantize=draft_quant.usable_mode(draft_quantize, llm.model_spec.dtype))
     size = llm.target.config.vocab_size
     same = (same_vocabulary(llm.tokenizer, Tokenizer.from_dir(path), size, draft.config.vocab_size)

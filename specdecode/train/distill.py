@@ -109,5 +109,5 @@ def merged_decoder(student: Student, quantize: str | None) -> Decoder:
     from specdecode.models.packed import pack
 
     packed = pack(student.merged_weights(torch.float32), student.config, torch.float32)
-    return Decoder(student.config, packed, torch.float32, batch_invariant=False, quantize=quantize)
+    return Decoder.build(student.config, packed, torch.float32, role="draft", quantize=quantize)
 
