@@ -52,6 +52,9 @@ class Backend(ABC):
     fused_rows: int = 0
 
     def __init__(self, role: Role, linear: kernels.LinearKernel, invariant_attend: Attend, chain_keys: bool) -> None:
+        """``invariant_attend``: this form's batch-invariant attention, a target's ``attend`` and
+        every tree branch's; a draft's chains take one SDPA call instead (``attend.attend_fast``),
+        which reads no key span (``chain_keys``: whether ``invariant_attend`` does)."""
         if role not in ROLES:
             raise InvalidConfigError(f"a decoder's role is one of {ROLES}, got {role!r}")
         self.role, self.linear = role, linear
