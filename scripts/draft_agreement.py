@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specdecode.bench.workloads import WORKLOAD_NAMES, load_workloads
-from specdecode.models import quant
+from specdecode.models import draft_quant
 from specdecode.models.catalog import resolve_model
 from specdecode.models.decoder import Decoder
 from specdecode.tokenizer import Tokenizer
@@ -34,9 +34,9 @@ def main() -> None:
     prompts = {pr.id: pr for pr in load_workloads(list(WORKLOAD_NAMES)) if pr.id in answers}
     path = resolve_model(args.draft)
     tokenizer = Tokenizer.from_dir(path)
-    quant.INT4_MAX_ROWS = 1 << 30  # teacher forcing feeds whole answers: keep them on the int4 kernel
+    draft_quant.INT4_MAX_ROWS = 1 << 30  # teacher forcing feeds whole answers: keep them on the int4 kernel
     for mode in args.quantize.split(","):
-        model = Decoder.from_dir(path, batch_invariant=False, quantize=None if mode == "none" else mode)
+        model = Decoder.from_dir(path, role="draft", quantize=None if mode == "none" else mode)
         hits = total = 0
         per_category: dict[str, list[int]] = {}
         for pid, answer in answers.items():

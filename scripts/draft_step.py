@@ -17,6 +17,7 @@ import time
 import torch
 
 from specdecode.models.catalog import resolve_model
+from specdecode.models.backends import TorchLayers
 from specdecode.models.decoder import Decoder
 
 
@@ -28,21 +29,20 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,5")
     p.add_argument("--repeat", type=int, default=15)
     args = p.parse_args()
-    model = Decoder.from_dir(resolve_model(args.draft), batch_invariant=False,
+    model = Decoder.from_dir(resolve_model(args.draft), role="draft",
                              quantize=None if args.quantize == "none" else args.quantize)
     cache = model.new_cache(args.context + 64)
     model.forward(torch.randint(0, 1000, (args.context,)), cache, last_only=True)
 
-    fused = model._fused
-    names = ("native forward", "torch layers") if fused is not None else ("fast path", "invariant path")
+    if model.backend.fused is not None:  # int4: the native whole forward against torch's fast path
+        names, slow = ("native forward", "torch layers"), model.with_backend(model.backend.layered())
+    else:  # the same linear kernel with the target's attention and norm
+        invariant = TorchLayers("target", model.config.rms_norm_eps, model.backend.linear)
+        names, slow = ("fast path", "invariant path"), model.with_backend(invariant)
 
     def step(rows: int, fast: bool) -> float:
-        if fused is not None:  # int4: the native whole forward against torch's fast path
-            model._fused = fused if fast else None
-        else:
-            model.batch_invariant = not fast  # selects the attention and norm path, nothing else
         start = time.perf_counter()
-        model.forward(torch.arange(rows) + 5, cache)
+        (model if fast else slow).forward(torch.arange(rows) + 5, cache)
         elapsed = time.perf_counter() - start
         cache.trim(rows)
         return elapsed

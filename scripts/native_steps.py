@@ -4,8 +4,9 @@ weights through torch's small ops, and its prefill rate.
     python scripts/native_steps.py [MODEL] [--context 256] [--rows 1,4,8] [--prefill 128]
 
 The two variants run interleaved in one process (median of 8 each): "native" is what a GGUF
-target runs (``_GGUFSteps`` and the row-wise attention), "torch" the same GGUF matrix products
-with the norms, gate, residuals, RoPE and attention as torch calls (``_TorchSteps``, ``_attend``).
+target runs (``backends.GGUFBackend``: fused steps and the row-wise attention), "torch" the same
+GGUF matrix products with the norms, gate, residuals, RoPE and attention as torch calls
+(``backends.TorchLayers`` around the GGUF kernel).
 The variants differ in rounding, so only their times are compared.
 """
 
@@ -18,7 +19,7 @@ import time
 import torch
 
 from specdecode.api import LLM
-from specdecode.models import decoder, kernels
+from specdecode.models.backends import TorchLayers
 
 
 def main() -> None:
@@ -30,15 +31,15 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(args.model, max_seq_len=max(1024, args.prefill + 16), progress=False)
     target, cache = llm.target, llm.engine.cache
-    variants = {"native": (target._steps, target._attend),
-                "torch": (decoder._TorchSteps(kernels.rms_norm, target.config.rms_norm_eps), decoder._attend)}
+    variants = {"native": target,
+                "torch": target.with_backend(TorchLayers("target", target.config.rms_norm_eps, target.backend.linear))}
     ids = list(range(1000, 1000 + args.context))
     cache.reset()
     target.forward(torch.tensor(ids), cache, last_only=True)
 
-    def step(n: int) -> float:
+    def step(model, n: int) -> float:
         start = time.perf_counter()
-        target.forward(torch.tensor(ids[-n:]), cache)
+        model.forward(torch.tensor(ids[-n:]), cache)
         elapsed = time.perf_counter() - start
         cache.trim(n)
         return elapsed
@@ -46,13 +47,11 @@ def main() -> None:
     for n in (int(r) for r in args.rows.split(",")):
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(8):
-            for name, (steps, attend) in variants.items():
-                target._steps, target._attend = steps, attend
-                step(n)
-                times[name].append(step(n))
+            for name, model in variants.items():
+                step(model, n)
+                times[name].append(step(model, n))
         shown = ", ".join(f"{name} {statistics.median(t) * 1e3:.1f} ms" for name, t in times.items())
         print(f"{n} row(s) after {args.context} tokens: {shown}")
-    target._steps, target._attend = variants["native"]
     prompt = torch.randint(100, 50000, (args.prefill,), generator=torch.Generator().manual_seed(0))
     best = float("inf")
     for _ in range(2):

@@ -25,7 +25,8 @@ from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError
 from specdecode.models.catalog import resolve_model
 from specdecode.models.gguf_convert import MARKER_NAME
-from specdecode.models import quant
+from specdecode.models import draft_quant
+from specdecode.models.int8_rows import QUANTIZE_MODES
 from specdecode.models.decoder import Decoder
 from specdecode.drafters.self_spec.layers import default_skip, load_skip
 from specdecode.heads.eagle3_format import load_head_for
@@ -101,9 +102,9 @@ class LLM:
         self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary
         if draft is not None:
             # The draft's numerics never affect exactness, so it takes the fast single-row path.
-            draft_quantize = quant.usable_mode(draft_quantize, dtype)
+            draft_quantize = draft_quant.usable_mode(draft_quantize, dtype)
             draft_path = resolve_model(draft, progress=progress)
-            self.draft_model = Decoder.from_dir(draft_path, dtype, batch_invariant=False, quantize=draft_quantize)
+            self.draft_model = Decoder.from_dir(draft_path, dtype, role="draft", quantize=draft_quantize)
             self.draft_tokenizer = self._foreign_tokenizer(draft, draft_path)
             if self.draft_tokenizer is not None:
                 log.warning(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "
@@ -244,8 +245,8 @@ def target_quantize(mode: str | None, dtype: str, path: Path) -> str | None:
         return "native" if dtype == "float32" and (path / MARKER_NAME).is_file() else None
     if mode == "none":
         return None
-    if mode not in quant.QUANTIZE_MODES + ("native",):
-        raise InvalidConfigError(f"quantize must be native, none or {', '.join(quant.QUANTIZE_MODES)}, got {mode!r}")
+    if mode not in QUANTIZE_MODES + ("native",):
+        raise InvalidConfigError(f"quantize must be native, none or {', '.join(QUANTIZE_MODES)}, got {mode!r}")
     if dtype != "float32":
         raise InvalidConfigError(f"quantize={mode!r} quantizes float32 weights; use dtype float32, not {dtype!r}")
     return mode

@@ -90,7 +90,7 @@ def test_draft_batch_equals_each_drafters_own_proposals_over_several_steps(llm):
 
 def test_draft_batch_groups_by_model(llm):
     """Drafters of different draft models in one call each get their own model's drafts."""
-    other = Decoder.from_dir(llm.model_dir, batch_invariant=False)  # the target's weights: other drafts
+    other = Decoder.from_dir(llm.model_dir, role="draft")  # the target's weights: other drafts
     prompts = _prompts(llm)[:2]
     params = SamplingParams(max_tokens=32)
     pairs = [(DraftModelDrafter(m, llm.target.config.vocab_size, 128), _seq(p, params))

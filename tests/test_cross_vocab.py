@@ -290,7 +290,7 @@ def byte_llm(tiny_pair) -> LLM:
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_greedy_identity_with_a_draft_of_another_vocabulary(byte_llm, merged_draft, k):
-    drafter = CrossVocabDrafter(Decoder.from_dir(merged_draft, batch_invariant=False),
+    drafter = CrossVocabDrafter(Decoder.from_dir(merged_draft, role="draft"),
                                 Tokenizer.from_dir(merged_draft), byte_llm.tokenizer, 512)
     assert drafter.name == "draft_model" and drafter.cross_vocabulary
     drafted = 0
@@ -327,7 +327,7 @@ def char_llm(char_oracle) -> LLM:
 def test_permuted_vocabulary_oracle_is_accepted(char_llm, char_oracle, k):
     """The same weights behind other ids: after translation every draft should be the target's."""
     _, draft = char_oracle
-    drafter = CrossVocabDrafter(Decoder.from_dir(draft, batch_invariant=False), Tokenizer.from_dir(draft),
+    drafter = CrossVocabDrafter(Decoder.from_dir(draft, role="draft"), Tokenizer.from_dir(draft),
                                 char_llm.tokenizer, 512)
     assert not same_vocabulary(char_llm.tokenizer, drafter.draft_tokenizer, TINY_VOCAB, TINY_VOCAB)
     accepted = drafted = steps = plain_steps = 0
@@ -393,7 +393,7 @@ def test_text_oracle_with_merges_is_accepted(char_llm, tmp_path, k):
 
 def test_sampling_has_the_exact_target_distribution(char_llm, char_oracle):
     _, draft = char_oracle
-    drafter = CrossVocabDrafter(Decoder.from_dir(draft, batch_invariant=False), Tokenizer.from_dir(draft),
+    drafter = CrossVocabDrafter(Decoder.from_dir(draft, role="draft"), Tokenizer.from_dir(draft),
                                 char_llm.tokenizer, 64)
     ids = char_llm.tokenizer.encode(_char_prompt(2))[:12]
     assert_sampled_joint_is_exact(char_llm, ids, drafter, adaptive=False)

@@ -8,15 +8,15 @@ import torch
 from specdecode.models.decoder import Decoder, HiddenCapture
 
 
-@pytest.mark.parametrize("native,invariant", [(None, True), (False, True), (None, False)],
+@pytest.mark.parametrize("native,role", [(None, "target"), (False, "target"), (None, "draft")],
                          ids=["native", "portable", "draft-fast-path"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_logits_match_transformers(tiny_models, arch, native, invariant):
+def test_logits_match_transformers(tiny_models, arch, native, role):
     from transformers import AutoModelForCausalLM
 
     path = tiny_models[arch]
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ours = Decoder.from_dir(path, native=native, batch_invariant=invariant)
+    ours = Decoder.from_dir(path, native=native, role=role)
     tokens = torch.randint(0, ours.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(tokens[None]).logits[0]

@@ -40,7 +40,7 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 def test_student_computes_the_decoders_logits(tmp_path, arch, tied):
     folder = make_tiny_llm(tmp_path / "m", arch, seed=3, tie_word_embeddings=tied)
     student = Student.from_dir(folder, rank=4)
-    decoder = Decoder.from_dir(folder, "float32", batch_invariant=False)
+    decoder = Decoder.from_dir(folder, "float32", role="draft")
     tokens = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(student(tokens), decoder.forward(tokens, decoder.new_cache(64)), atol=1e-4)
@@ -55,7 +55,7 @@ def test_merged_weights_keep_what_the_adapters_learnt(pair):
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
     merged = distill.merged_decoder(student, None)
     with torch.no_grad():
-        base = Decoder.from_dir(pair[1], "float32", batch_invariant=False).forward(tokens, merged.new_cache(64))
+        base = Decoder.from_dir(pair[1], "float32", role="draft").forward(tokens, merged.new_cache(64))
         want = student(tokens)
     got = merged.forward(tokens, merged.new_cache(64))
     assert torch.allclose(got, want, atol=1e-4)

@@ -8,7 +8,7 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.errors import InvalidConfigError
 from specdecode.models.decoder import Decoder
-from specdecode.models.quant import linear_int8_fbgemm, pack_int8
+from specdecode.models.draft_quant import linear_int8_fbgemm, pack_int8
 
 PROMPTS = ["def f(x): return x + 1\ndef g(", "class A:\n    def __init__(self", "abc abc abc abd"]
 
@@ -55,7 +55,7 @@ def test_int8_linear_is_close_to_float():
 
 def test_int8_draft_agrees_mostly_with_float_draft(tiny_pair):
     _, draft = tiny_pair
-    f32, q8 = Decoder.from_dir(draft, batch_invariant=False), Decoder.from_dir(draft, batch_invariant=False,
+    f32, q8 = Decoder.from_dir(draft, role="draft"), Decoder.from_dir(draft, role="draft",
                                                                               quantize="int8")
     tokens = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1))
     a = f32.forward(tokens, f32.new_cache(64)).argmax(-1)

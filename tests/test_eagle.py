@@ -246,7 +246,7 @@ def test_batched_requests_get_their_solo_output(llms, tree_width):
 
 def test_draft_quantize_none_keeps_the_head_in_floats(target_dir, head_dir):
     from specdecode.drafters.registry import build_drafter
-    from specdecode.models.quant import DraftLinear
+    from specdecode.models.draft_heads import DraftLinear
 
     for mode, packed in (("int4", True), ("none", False)):
         llm = LLM(model=str(target_dir), eagle_head=str(head_dir), max_seq_len=256, progress=False,

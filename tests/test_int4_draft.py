@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.models import quant
+from specdecode.models import draft_heads, draft_quant
+from specdecode.models.int8_rows import Int8Rows
 from specdecode.models.decoder import Decoder
 from tests.conftest import make_tiny_model
 
@@ -24,49 +25,47 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-3) -> bool:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_fused_forward_matches_the_torch_layers(tiny_models, arch):
-    model = Decoder.from_dir(tiny_models[arch], batch_invariant=False, quantize="int4")
-    assert model._fused is not None
+    model = Decoder.from_dir(tiny_models[arch], role="draft", quantize="int4")
+    assert model.backend.fused is not None
+    layered = model.with_backend(model.backend.layered())  # the same weights through the torch layers
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
     fused, plain = model.new_cache(64), model.new_cache(64)
     model.forward(prompt[:30], fused, last_only=True)  # prefill: more rows than the fused path takes
-    model.forward(prompt[:30], plain, last_only=True)
+    layered.forward(prompt[:30], plain, last_only=True)
     torch.testing.assert_close(fused.k, plain.k)
-    kernel, offset = model._fused, 30
-    for n in (1, 3, quant.INT4_MAX_ROWS):
+    offset = 30
+    for n in (1, 3, draft_quant.INT4_MAX_ROWS):
         rows = prompt[offset - n : offset] if n > 1 else prompt[offset : offset + 1]
         got = model.forward(rows, fused)
-        model._fused = None
-        want = model.forward(rows, plain)
-        model._fused = kernel
+        want = layered.forward(rows, plain)
         assert got.shape == want.shape == (n, 96)
         assert _close(got, want), n
         assert fused.length == plain.length
         assert _close(fused.k[:, :, : fused.length], plain.k[:, :, : plain.length])
         assert _close(fused.v[:, :, : fused.length], plain.v[:, :, : plain.length])
     last = model.forward(prompt[:2], fused, last_only=True)
-    model._fused = None
-    want = model.forward(prompt[:2], plain, last_only=True)
+    want = layered.forward(prompt[:2], plain, last_only=True)
     assert last.shape == (1, 96) and _close(last, want)
 
 
 def test_fused_forward_only_for_an_all_int4_draft(tiny_models, tmp_path):
-    assert Decoder.from_dir(tiny_models["qwen2"], batch_invariant=False, quantize="int8")._fused is None
-    assert Decoder.from_dir(tiny_models["qwen2"], batch_invariant=False)._fused is None
+    assert Decoder.from_dir(tiny_models["qwen2"], role="draft", quantize="int8").backend.fused is None
+    assert Decoder.from_dir(tiny_models["qwen2"], role="draft").backend.fused is None
     # An MLP width off the 64-input groups packs ``down`` int8, so the model keeps the torch layers.
     odd = make_tiny_model(tmp_path / "odd", "qwen2", intermediate_size=96)
-    model = Decoder.from_dir(odd, batch_invariant=False, quantize="int4")
-    assert model._fused is None and not isinstance(model.layers[0].down, quant.Int4Groups)
+    model = Decoder.from_dir(odd, role="draft", quantize="int4")
+    assert model.backend.fused is None and not isinstance(model.layers[0].down, draft_quant.Int4Groups)
     cache = model.new_cache(16)
     assert model.forward(torch.tensor([1, 2, 3]), cache).shape == (3, 96)
 
 
 def test_fused_forward_rejects_bad_tokens_and_full_caches(tiny_models):
-    model = Decoder.from_dir(tiny_models["llama"], batch_invariant=False, quantize="int4")
+    model = Decoder.from_dir(tiny_models["llama"], role="draft", quantize="int4")
     cache = model.new_cache(8)
     with pytest.raises(RuntimeError, match="token id"):
-        model._fused.forward(torch.tensor([96]), cache.k, cache.v, 0, False)
+        model.backend.fused.forward(torch.tensor([96]), cache.k, cache.v, 0, False)
     with pytest.raises(RuntimeError, match="past the cache"):
-        model._fused.forward(torch.tensor([1, 2]), cache.k, cache.v, cache.capacity - 1, False)
+        model.backend.fused.forward(torch.tensor([1, 2]), cache.k, cache.v, cache.capacity - 1, False)
 
 
 def test_draft_copy_packs_every_linear_once_and_stays_close():
@@ -74,13 +73,13 @@ def test_draft_copy_packs_every_linear_once_and_stays_close():
     for many), made once per head object, close to the float head on both paths."""
     torch.manual_seed(0)
     head = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.SiLU(), torch.nn.Linear(64, 32, bias=False))
-    copy = quant.draft_copy(head)
-    assert quant.draft_copy(head) is copy  # shared by every drafter of this head
+    copy = draft_heads.draft_copy(head)
+    assert draft_heads.draft_copy(head) is copy  # shared by every drafter of this head
     assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
     assert all(isinstance(m, torch.nn.Linear) for m in (head[0], head[2]))  # the training form is untouched
     # Measured: 6.5% relative error with 4-bit weights, 2% on the int8 copy; a missing bias or a
     # wrong layout gives about 100%.
-    for rows, tol in ((1, 0.1), (quant.INT4_MAX_ROWS + 5, 0.04)):
+    for rows, tol in ((1, 0.1), (draft_quant.INT4_MAX_ROWS + 5, 0.04)):
         x = torch.randn(rows, 128)
         with torch.no_grad():
             assert _close(copy(x), head(x), tol=tol)
@@ -89,10 +88,10 @@ def test_draft_copy_packs_every_linear_once_and_stays_close():
 def test_an_int4_draft_from_float_weights_prefills_with_float_activations(tiny_models):
     """Many-row calls take per-row int8 weights with float activations: a prompt row with an
     outlier does not blur its neighbours, as one activation scale per call would."""
-    model = Decoder.from_dir(tiny_models["qwen2"], batch_invariant=False, quantize="int4")
+    model = Decoder.from_dir(tiny_models["qwen2"], role="draft", quantize="int4")
     w = model.layers[0].qkv
-    assert isinstance(w, quant.Int4Groups) and isinstance(w.int8, quant.Int8Rows)
+    assert isinstance(w, draft_quant.Int4Groups) and isinstance(w.int8, Int8Rows)
     x = torch.randn(16, w.packed.shape[1] * 2)
     x[0] *= 1000.0  # an outlier row
     want = x[1:] @ w.int8.dequantize().T
-    assert _close(quant.linear_draft(x, w)[1:], want, tol=1e-4)
+    assert _close(draft_quant.linear_draft(x, w)[1:], want, tol=1e-4)

@@ -39,7 +39,7 @@ def test_portable_rows_past_the_prefill_line_stay_invariant_when_asked(monkeypat
     """Batched decode rows of many sequences can exceed ``PREFILL_ROWS``; with ``invariant`` the
     portable path (and the int8 target's fallback to it without the native kernel) must still
     give each row its one-row bits rather than one BLAS call's."""
-    from specdecode.models.quant import quantize_rows
+    from specdecode.models.int8_rows import quantize_rows
 
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(52, 300, generator=gen)
@@ -123,7 +123,7 @@ def test_attention_rows_bitwise_invariant(group, head_dim):
 def test_int8_rows_bitwise_invariant_and_exact(shape):
     """The int8-target kernel: a row's bits never depend on its companions, and each output is
     the float dot product with the widened weights, times the row's scale."""
-    from specdecode.models.quant import quantize_rows
+    from specdecode.models.int8_rows import quantize_rows
 
     gen = torch.Generator().manual_seed(5)
     w = quantize_rows(torch.randn(shape, generator=gen))
@@ -138,7 +138,7 @@ def test_int8_rows_bitwise_invariant_and_exact(shape):
 
 
 def test_quantize_rows_round_trips_within_half_a_step():
-    from specdecode.models.quant import quantize_rows
+    from specdecode.models.int8_rows import quantize_rows
 
     w = torch.randn(300, 70, generator=torch.Generator().manual_seed(6))
     q = quantize_rows(w, chunk_rows=128)  # several chunks
@@ -164,14 +164,14 @@ def test_int4_avx2_build_matches_its_dequantized_weights(tiny_models):
     script = """
 import sys
 import torch
-from specdecode.models import kernel_build, quant
+from specdecode.models import draft_quant, kernel_build
 from specdecode.models.decoder import Decoder
 k = kernel_build.load_int4()
 assert k is not None and k.lanes() == 8, k
 g = torch.Generator().manual_seed(4)
 w = torch.randn(131, 896, generator=g) * 0.05
-packed = quant.pack_int4(w)
-for n in (1, 2, 3, quant.INT4_MAX_ROWS):
+packed = draft_quant.pack_int4(w)
+for n in (1, 2, 3, draft_quant.INT4_MAX_ROWS):
     x = torch.randn(n, 896, generator=g)
     got, want = k.linear_int4(x, packed.packed, packed.scales, packed.offset), x @ packed.dequantize().T
     assert (got - want).norm() <= 0.02 * want.norm(), n
@@ -180,15 +180,15 @@ low = torch.zeros(5, 128 // 2, dtype=torch.uint8)
 scales, offset = torch.ones(5, 2), torch.full((5,), 128.0 * -8 * 128)
 x = torch.ones(3, 128)
 torch.testing.assert_close(k.linear_int4(x, low, scales, offset), torch.full((3, 5), -8.0 * 128))
-model = Decoder.from_dir(sys.argv[1], batch_invariant=False, quantize="int4")
+model = Decoder.from_dir(sys.argv[1], role="draft", quantize="int4")
 fused, plain = model.new_cache(64), model.new_cache(64)
 prompt = torch.randint(0, 96, (20,), generator=g)
+layered = model.with_backend(model.backend.layered())
 model.forward(prompt[:17], fused)
-model.forward(prompt[:17], plain)
-assert model._fused is not None
+layered.forward(prompt[:17], plain)
+assert model.backend.fused is not None
 got = model.forward(prompt[17:], fused)
-model._fused = None
-want = model.forward(prompt[17:], plain)
+want = layered.forward(prompt[17:], plain)
 assert (got - want).norm() <= 1e-3 * want.norm()
 """
     env = {**os.environ, "SPECDECODE_AVX512": "0"}
@@ -198,39 +198,39 @@ assert (got - want).norm() <= 1e-3 * want.norm()
 
 
 def test_int4_mode_falls_back_to_int8_without_the_kernel(monkeypatch):
-    from specdecode.models import quant
+    from specdecode.models import draft_quant
 
     monkeypatch.setattr(kernel_build, "load_int4", lambda: None)
-    assert quant.usable_mode("int4", "float32") == "int8"
-    assert quant.usable_mode("int8", "float32") == "int8"
-    assert quant.usable_mode("int4", "bfloat16") is None
+    assert draft_quant.usable_mode("int4", "float32") == "int8"
+    assert draft_quant.usable_mode("int8", "float32") == "int8"
+    assert draft_quant.usable_mode("int4", "bfloat16") is None
 
 
 @pytest.mark.parametrize("shape", [(40, 64), (131, 896), (9, 4864)], ids=str)
 def test_int4_draft_kernel_matches_its_dequantized_weights(shape):
     """The int4 draft kernel computes the dequantized weights' product up to its per-row int8
     activations (about 1% error), for every row count it serves, and prefill rows take int8."""
-    from specdecode.models import quant
+    from specdecode.models import draft_quant
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(shape, generator=gen) * 0.05
-    packed = quant.pack_int4(w)
+    packed = draft_quant.pack_int4(w)
     deq = packed.dequantize()
     assert (deq - w).abs().max() <= packed.scales.max() / 2 + 1e-6  # round to nearest step
-    for n in (1, 2, 3, quant.INT4_MAX_ROWS):
+    for n in (1, 2, 3, draft_quant.INT4_MAX_ROWS):
         x = torch.randn(n, shape[1], generator=gen)
-        got, want = quant.linear_draft(x, packed), x @ deq.T
+        got, want = draft_quant.linear_draft(x, packed), x @ deq.T
         assert (got - want).norm() <= 0.02 * want.norm(), n
-    x = torch.randn(quant.INT4_MAX_ROWS + 1, shape[1], generator=gen)
-    assert torch.equal(quant.linear_draft(x, packed), quant.linear_int8_fbgemm(x, packed.int8))
+    x = torch.randn(draft_quant.INT4_MAX_ROWS + 1, shape[1], generator=gen)
+    assert torch.equal(draft_quant.linear_draft(x, packed), draft_quant.linear_int8_fbgemm(x, packed.int8))
 
 
 def test_int4_pack_falls_back_to_int8_off_the_group_size():
-    from specdecode.models import quant
+    from specdecode.models import draft_quant
 
     w = torch.randn(16, 40)
-    assert not isinstance(quant.pack_int4(w), quant.Int4Groups)
-    torch.testing.assert_close(quant.linear_draft(torch.ones(1, 40), quant.pack_int4(w)), torch.ones(1, 40) @ w.T,
+    assert not isinstance(draft_quant.pack_int4(w), draft_quant.Int4Groups)
+    torch.testing.assert_close(draft_quant.linear_draft(torch.ones(1, 40), draft_quant.pack_int4(w)), torch.ones(1, 40) @ w.T,
                                atol=0.1, rtol=0.05)
 
 

@@ -154,13 +154,13 @@ def draft_contestants(llm: LLM, runs: Sequence[RunSpec], name: str, draft: Decod
 def load_draft(llm: LLM, name: str, draft_quantize: str | None) -> Decoder:
     """Draft ``name`` loaded as ``LLM`` loads its own; refused unless it speaks the target's vocabulary."""
     from specdecode.drafters.vocab import same_vocabulary
-    from specdecode.models import quant
+    from specdecode.models import draft_quant
     from specdecode.models.catalog import resolve_model
     from specdecode.tokenizer import Tokenizer
 
     path = resolve_model(name)
-    draft = Decoder.from_dir(path, llm.model_spec.dtype, batch_invariant=False,
-                             quantize=quant.usable_mode(draft_quantize, llm.model_spec.dtype))
+    draft = Decoder.from_dir(path, llm.model_spec.dtype, role="draft",
+                             quantize=draft_quant.usable_mode(draft_quantize, llm.model_spec.dtype))
     size = llm.target.config.vocab_size
     same = (same_vocabulary(llm.tokenizer, Tokenizer.from_dir(path), size, draft.config.vocab_size)
             if (path / "tokenizer.json").is_file() else draft.config.vocab_size == size)

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     model = Decoder.from_dir(path, args.dtype, quantize=quantize)
     # The same float weights through torch's own F.linear (BLAS GEMV for one row): the reference
     # speed for one token, which rounds differently from multi-row calls (see models/kernels.py).
-    gemv = Decoder.from_dir(path, args.dtype, batch_invariant=False, native=False) if quantize is None else None
+    gemv = Decoder.from_dir(path, args.dtype, role="draft", native=False) if quantize is None else None
     ks = args.k or [1, 3, 7, 8, 11, 15]
     cache = model.new_cache(args.context + max(ks) + 2)
     prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))

@@ -31,7 +31,7 @@ from torch import Tensor
 from specdecode.drafters.base import Drafter, most_probable_tree, pick_from_subvocabulary
 from specdecode.sequence import DraftProposal, SequenceState
 from specdecode.heads.eagle3 import Eagle3Head, attention
-from specdecode.models import quant
+from specdecode.models.draft_heads import draft_copy
 from specdecode.models.decoder import Decoder
 
 _EMPTY = DraftProposal(torch.empty(0, dtype=torch.long), None)
@@ -46,8 +46,8 @@ class EagleDrafter(Drafter):
                  tree_width: int = 0, tree_depth: int = 6, quantize: bool = True) -> None:
         cfg = head.config
         # Drafts only propose, so their numerics never change the output: the head drafts with
-        # 4-bit weights (``quant.draft_copy``), which a one-token step reads an eighth of.
-        self.head = quant.draft_copy(head.eval()) if quantize else head.eval()
+        # 4-bit weights (``draft_heads.draft_copy``), which a one-token step reads an eighth of.
+        self.head = draft_copy(head.eval()) if quantize else head.eval()
         self.embed = target.embed_tokens
         self.hidden_layers = cfg.hidden_layers
         self.confidence = confidence

@@ -23,7 +23,8 @@ from torch import Tensor
 from specdecode.drafters.base import Drafter, most_probable_tree, pick_from_subvocabulary
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.heads.medusa import MedusaHeads
-from specdecode.models import kernels, quant
+from specdecode.models import kernels
+from specdecode.models.draft_heads import draft_copy
 from specdecode.models.decoder import Decoder
 
 
@@ -35,7 +36,7 @@ class MedusaDrafter(Drafter):
     def __init__(self, heads: MedusaHeads, target: Decoder, confidence: float = 0.0, tree_width: int = 0,
                  quantize: bool = True) -> None:
         # 4-bit weights: drafts never change the output, only how often they are accepted
-        self.heads = quant.draft_copy(heads.eval()) if quantize else heads.eval()
+        self.heads = draft_copy(heads.eval()) if quantize else heads.eval()
         self.hidden_layers = (target.config.num_layers,)  # the last layer's output, before the final norm
         self.norm, self.eps = target.norm.float(), target.config.rms_norm_eps
         self.confidence, self.tree_width = confidence, tree_width

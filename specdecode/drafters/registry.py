@@ -50,7 +50,7 @@ class DraftResources:
     self_skip: Callable[[], list[int]]  # the layers ``self`` skips, read on first use
     eagle_head: Eagle3Head | None = None  # a trained EAGLE-3 head for this target
     medusa_heads: MedusaHeads | None = None  # trained Medusa heads for this target
-    quantize_heads: bool = True  # heads draft in 4 bits (quant.draft_copy); False with --draft-quantize none
+    quantize_heads: bool = True  # heads draft in 4 bits (draft_heads.draft_copy); False with --draft-quantize none
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from specdecode.models import kernel_build
 
 if TYPE_CHECKING:
     from specdecode.models.gguf_planes import GGUFLinear
-    from specdecode.models.quant import Int8Rows
+    from specdecode.models.int8_rows import Int8Rows
 
 KEY_BLOCK = 128  # keys per attention block; below any BLAS K-blocking, so one block = one pass
 MIN_GEMM_ROWS = 8  # fewer rows than this take BLAS small-matrix paths; we pad up to it

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from specdecode.params import SamplingParams
 from specdecode.engine.engine import Engine
-from specdecode.models import quant
+from specdecode.models.draft_quant import INT4_MAX_ROWS
 from specdecode.models.decoder import Decoder
 from specdecode.tokenizer import Tokenizer
 from specdecode.train.capture import Example
@@ -92,14 +92,14 @@ def evaluate(student: Student, examples: Sequence[Example]) -> dict:
 @torch.inference_mode()
 def quantized_acceptance(draft: Decoder, examples: Sequence[Example]) -> dict:
     """The same measures for a draft ``Decoder`` as it drafts (quantized). Fed a few rows per
-    forward, as drafting feeds it: calls of many rows take another path (``quant.linear_draft``:
+    forward, as drafting feeds it: calls of many rows take another path (``draft_quant.linear_draft``:
     int8 with activations quantized per call, or the GGUF weights as shipped) whose precision
     differs from the decode rows' int4 kernel."""
     counts = []
     for ex in examples:
         cache = draft.new_cache(len(ex))
-        logits = torch.cat([draft.forward(ex.tokens[s : s + quant.INT4_MAX_ROWS], cache)
-                            for s in range(0, len(ex), quant.INT4_MAX_ROWS)])
+        logits = torch.cat([draft.forward(ex.tokens[s : s + INT4_MAX_ROWS], cache)
+                            for s in range(0, len(ex), INT4_MAX_ROWS)])
         counts.append(agreement(logits, ex))
     return summarize(counts)
 
@@ -109,5 +109,5 @@ def merged_decoder(student: Student, quantize: str | None) -> Decoder:
     from specdecode.models.packed import pack
 
     packed = pack(student.merged_weights(torch.float32), student.config, torch.float32)
-    return Decoder(student.config, packed, torch.float32, batch_invariant=False, quantize=quantize)
+    return Decoder.build(student.config, packed, torch.float32, role="draft", quantize=quantize)
 

@@ -224,7 +224,7 @@ def train_distill(opts: TrainOptions, *, draft: str | None, rank: int, temperatu
                   responses: str) -> LoopState:
     """DistillSpec: LoRA-fine-tune ``draft`` toward ``opts.model`` (``train/distill.py``) and
     write the merged draft into ``opts.out``, a model folder for ``--draft DIR``."""
-    from specdecode.models import quant
+    from specdecode.models import draft_quant
     from specdecode.models.catalog import resolve_model
     from specdecode.train import distill, loop
     from specdecode.train.student import Student
@@ -245,7 +245,7 @@ def train_distill(opts: TrainOptions, *, draft: str | None, rank: int, temperatu
              "temperature": temperature}
     llm, train, val, data = prepare(opts, lambda cfg: (), llm=llm, respond=respond, rewrite=responses == "draft",
                                     key_extra=extra)
-    mode = quant.usable_mode(DEFAULT_DRAFT_QUANTIZE, "float32")
+    mode = draft_quant.usable_mode(DEFAULT_DRAFT_QUANTIZE, "float32")
     before = distill.quantized_acceptance(llm.draft_model, val)
     student = Student.from_dir(draft_dir, rank=rank, seed=opts.loop.seed).to(device)
     untrained = distill.evaluate(student, [_to(ex, device) for ex in val])  # before a checkpoint is resumed
