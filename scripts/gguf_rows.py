@@ -1,13 +1,18 @@
 """Time the native GGUF kernel over every matrix of a model, per row count.
 
     python scripts/gguf_rows.py [MODEL] [--rows 1,2,4,8,9,12,16] [--by-type] [--isa avx2,vnni] [--rounds N]
+                                [--against OTHER.cpp] [--cpu-time]
 
 MODEL is a catalog name (default: the 1.5B target) or a .gguf file. A pass multiplies all its
 quantized matrices (the embedding table excepted: a decode step reads one row of it), i.e. the
 weight part of one forward of that many rows; a round keeps the best of three passes. ``--isa``
 names the kernel builds to time (portable, avx2, vnni; default: the one models use here), taken
 in turn within each round so they share the machine's state; each line prints the median over
-the rounds, and each build after the first its ratio to the first per row count.
+the rounds, and each build after the first its ratio to the first per row count. ``--against``
+adds, per build, the same build of another kernel source (say the main branch's, from ``git show
+main:specdecode/models/csrc/linear_gguf.cpp``, saved beside a copy of ``lanes.h``), named
+``ISA@FILE`` and timed in turn with the others. ``--cpu-time`` runs one thread and times its CPU
+time, which other processes on a shared machine disturb less than the wall clock.
 """
 
 from __future__ import annotations
@@ -24,13 +29,13 @@ from specdecode.models.catalog import CATALOG, find_weight_files
 from specdecode.models.gguf_planes import GGUFWeight
 
 
-def best_of_three(kernel, ws: list[GGUFWeight], xs: dict[int, torch.Tensor]) -> float:  # noqa: ANN001
+def best_of_three(kernel, ws: list[GGUFWeight], xs: dict[int, torch.Tensor], clock) -> float:  # noqa: ANN001
     best = float("inf")
     for _ in range(3):
-        start = time.perf_counter()
+        start = clock()
         for w in ws:
             kernel.linear_gguf(xs[w.inp], [w.part])
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -42,6 +47,8 @@ def main() -> None:
     ap.add_argument("--isa", default=None, help="kernel builds to compare, comma-separated "
                     f"(of {', '.join(kernel_build.GGUF_ISAS)}; default: the one models use here)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds; lines show medians (default: %(default)s)")
+    ap.add_argument("--against", type=Path, help="another linear_gguf.cpp to time beside each build")
+    ap.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -58,15 +65,23 @@ def main() -> None:
     if "lm_head.weight" not in weights and not args.by_type:  # tied: the head reads the embedding
         groups["all"].append(weights["model.embed_tokens.weight"])
     kernels = {isa: kernel_build.load_gguf(isa) for isa in isas}
+    if args.against:
+        for isa in isas:
+            kernels[f"{isa}@{args.against.name}"] = kernel_build._build(args.against.resolve(), "linear_gguf",
+                                                                  kernel_build.gguf_flags(isa), ap.error)
+    isas = list(kernels)
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"{torch.get_num_threads()} threads, {args.rounds} round(s)")
+    print(f"{torch.get_num_threads()} threads, {args.rounds} round(s), {'CPU' if args.cpu_time else 'wall'} time")
     for label, ws in groups.items():
         xs = {n: {w.inp: torch.randn(n, w.inp) for w in ws} for n in rows}
         times: dict[str, dict[int, list[float]]] = {isa: {n: [] for n in rows} for isa in isas}
         for _ in range(args.rounds):
             for isa, kernel in kernels.items():
                 for n in rows:
-                    times[isa][n].append(best_of_three(kernel, ws, xs[n]))
+                    times[isa][n].append(best_of_three(kernel, ws, xs[n], clock))
         mb = sum(w.nbytes for w in ws) / 1e6
         base = {n: statistics.median(times[isas[0]][n]) for n in rows}
         for isa in isas:

@@ -4,20 +4,22 @@
 // Why by hand: llama.cpp's vector dot products take one activation row per weight pass, and torch has no
 // k-quant matmul at all. Speculative decoding verifies K+1 rows at once, so here each weight
 // block is read and decoded once per call and applied to every row: the weights stream from
-// memory once however many rows there are, and each row adds only its multiplies (on AVX2 two
-// instructions per 32 products, which docs/GGUF_NATIVE.md measures).
+// memory once however many rows there are, and each row adds only its multiplies (for a k-quant
+// super-block of 256 products: 8 VPDPBUSD and 1 or 2 VPMULLD on VNNI, 8 VPMADDUBSW and 1, 2 or 4
+// VPMADDWD on AVX2; docs/GGUF_NATIVE.md measures them).
 //
 // Exactness: activations are quantized per row (int8, one float scale per block: 256 inputs for
 // the k-quants like llama.cpp's Q8_K, 32 for the others like its Q8_0), so a row's integers never
 // depend on other rows. Within a block every product is summed in int32, which is exact in any
-// order. Floats enter once per block, in a fixed sequence per (row, output): for the k-quants a
-// scalar FMA chain over super-blocks; for the 32-blocks an 8-lane FMA chain whose lane k holds the
-// integer sum of the block's bytes 4k..4k+3, reduced by ``reduce8``'s fixed tree. So a row gets
-// the same bits alone and among any rows at any position, and the three builds give the same
-// bits as each other: portable (plain C++, for CPUs without AVX2), AVX2, and VNNI (the AVX2 code
-// with VPDPWSSD / VPDPBUSD for a multiply-add pair, from AVX-512 VNNI or AVX-VNNI).
+// order. Floats enter once per block, in a fixed sequence per (row, output): an 8-lane FMA chain
+// over the blocks, reduced by ``reduce8``'s fixed tree, whose lane k holds a fixed set of the
+// block's integer products: for a 32-block its bytes 4k..4k+3; for a k-quant super-block two
+// 16-value groups times their scales (see the portable build). So a row gets the same bits alone
+// and among any rows at any position, and the three builds give the same bits as each other:
+// portable (plain C++, for CPUs without AVX2), AVX2, and VNNI (VPDPBUSD where AVX2 takes
+// VPMADDUBSW and VPMADDWD, from AVX-512 VNNI or AVX-VNNI).
 //
-// Weight planes (made losslessly from the GGUF blocks by ``gguf_native.py``), row-major per output:
+// Weight planes (made losslessly from the GGUF blocks by ``gguf_planes.py``), row-major per output:
 //   Q4_K: q [nb*128] nibbles as in GGUF, sc [nb*8], mn [nb*16] (each min twice), d, dm [nb] float
 //   Q5_K: as Q4_K plus qh [nb*32];  Q6_K: q = ql [nb*128], qh [nb*64], sc [nb*16] int8, d [nb]
 //   Q4_0/Q4_1: q [nb*16], d [nb] (dm [nb]: Q4_1's min);  Q5_0/Q5_1: as those plus qh [nb*4]
@@ -25,6 +27,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -47,20 +50,49 @@ struct Part {
     const float *d = nullptr, *dm = nullptr;
 };
 
+// Value index (0..255) of byte p of the activations as the registers of a Q4_K / Q5_K super-block
+// (``q4``) or a Q6_K one hold them: register p / 32, dword lane k = p % 32 / 4, byte t = p % 4.
+//   Q4_K / Q5_K register 2j + h (j < 4, h < 2): 64 (k >> 1) + 32 (k & 1) + 8j + 4 ((k & 1) ^ h) + t,
+//     lane k in sub-block k;
+//   Q6_K register 4G + i (G < 2, i < 4): 128G + 32 (k & 3) + 16 (k >> 2) + 4i + t,
+//     lane k in group 8G + 2 (k & 3) + (k >> 2).
+inline int kperm(bool q4, int p) {
+    const int reg = p / 32, k = p % 32 / 4, t = p % 4;
+    if (q4) {
+        const int j = reg / 2, h = reg % 2;
+        return 64 * (k >> 1) + 32 * (k & 1) + 8 * j + 4 * ((k & 1) ^ h) + t;
+    }
+    const int G = reg / 4, i = reg % 4;
+    return 128 * G + 32 * (k & 3) + 16 * (k >> 2) + 4 * i + t;
+}
+
 // Quantized activations of n rows in blocks of ``block`` inputs: int8 values in [-127, 127], one
-// float scale per block, and integer sums per 16 inputs (k-quants) or per block (32-blocks).
+// float scale per block, and integer sums per 16 inputs (k-quants) or per block (32-blocks). The
+// SIMD builds also keep the 256-blocks block-major, so that one block of consecutive rows is
+// contiguous and a tile reads row r at a fixed offset: ``kq[o]`` [nb][n][256] in ``kperm`` order
+// o (0: Q4_K / Q5_K, 1: Q6_K; made when a call has such a type and two rows or more, since
+// one-row tiles read the natural order), ``kbs`` [nb][n][16], ``kd`` [nb][n].
 struct Acts {
     int64_t n = 0, in = 0, block = 0, nb = 0, sums = 0;
-    std::vector<int8_t> q;
-    std::vector<float> d;
-    std::vector<int16_t> bs;
+    std::vector<int8_t> q, kq[2];
+    std::vector<float> d, kd;
+    std::vector<int16_t> bs, kbs;
     const int8_t* row(int64_t r) const { return q.data() + r * in; }
 };
 
-Acts quantize(const float* x, int64_t n, int64_t in, int64_t block) {
+Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (&orders)[2] = {false, false}) {
     Acts a;
     a.n = n, a.in = in, a.block = block, a.nb = in / block, a.sums = block == 256 ? 16 : 1;
     a.q.resize(n * in), a.d.resize(n * a.nb), a.bs.resize(n * a.nb * a.sums);
+    static const auto tables = [] {
+        std::array<std::array<uint8_t, 256>, 2> t{};
+        for (int p = 0; p < 256; ++p) t[0][p] = kperm(true, p), t[1][p] = kperm(false, p);
+        return t;
+    }();
+    const bool major = n > 1 && (orders[0] || orders[1]);  // one-row tiles read the natural order
+    for (int o = 0; o < 2; ++o)
+        if (major && orders[o]) a.kq[o].resize(n * in);
+    if (major) a.kd.resize(n * a.nb), a.kbs.resize(n * a.nb * 16);
     at::parallel_for(0, n * a.nb, 64, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const float* xb = x + i * block;
@@ -77,6 +109,13 @@ Acts quantize(const float* x, int64_t n, int64_t in, int64_t block) {
                 for (int64_t k = 0; k < per; ++k) sum += qb[s * per + k];
                 a.bs[i * a.sums + s] = static_cast<int16_t>(sum);
             }
+            if (!major) continue;
+            const int64_t m = (i % a.nb) * n + i / a.nb;  // block-major index of (row, block)
+            a.kd[m] = a.d[i];
+            std::memcpy(a.kbs.data() + m * 16, a.bs.data() + i * 16, 32);
+            for (int o = 0; o < 2; ++o)
+                if (!a.kq[o].empty())
+                    for (int p = 0; p < 256; ++p) a.kq[o][m * 256 + p] = qb[tables[o][p]];
         }
     });
     return a;
@@ -135,9 +174,18 @@ void decode_32(const Part& w, int64_t j, int64_t b, int8_t* v) {
     }
 }
 
-// ---- Portable build: the AVX2 build's arithmetic, lane by lane. ------------------------------
-// Lane k (of 8 int32) of a group of 32 products holds bytes 4k..4k+3, as VPMADDUBSW then VPMADDWD
-// leave them; the float accumulators have the same 8 lanes and the same FMA sequence.
+// ---- Portable build: the SIMD builds' arithmetic, lane by lane. ------------------------------
+// A k-quant super-block gives 8 int32 lanes, each the sum of two 16-value groups' products times
+// their scales: Q4_K / Q5_K lane k holds groups 2k and 2k+1 (sub-block k, one scale), Q6_K lane k
+// groups g and g + 8 with g = 2 (k & 3) + (k >> 2). Every lane is then converted to float once per
+// super-block, like its min term (lane k: the mins of groups 2k and 2k+1 times their activation
+// sums). A 32-block's lane k holds bytes 4k..4k+3. The float accumulators have the same 8 lanes
+// and the same FMA sequence in every build.
+
+// The first of the two 16-value groups lane k of a k-quant super-block holds (the other: + 1 for
+// Q4_K / Q5_K, + 8 for Q6_K).
+inline int k_group(int type, int k) { return type == Q6_K ? 2 * (k & 3) + (k >> 2) : 2 * k; }
+inline int k_group_step(int type) { return type == Q6_K ? 8 : 1; }
 
 void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* f) {
     uint8_t v[256];
@@ -150,13 +198,14 @@ void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_
             const int16_t* bs = a.bs.data() + (r * a.nb + b) * 16;
             const float xd = a.d[r * a.nb + b];
             float* fr = f + (r - r0) * 8;
+            int32_t s16[16];
+            for (int g = 0; g < 16; ++g) {
+                s16[g] = 0;
+                for (int e = 16 * g; e < 16 * g + 16; ++e) s16[g] += int32_t(v[e]) * x[e];
+            }
             for (int k = 0; k < 8; ++k) {
-                int32_t lane = 0;
-                for (int g = 0; g < 8; ++g) {
-                    int32_t s = 0;
-                    for (int e = 32 * g + 4 * k; e < 32 * g + 4 * k + 4; ++e) s += int32_t(v[e]) * x[e];
-                    lane += sc16[2 * g + (k >= 4)] * s;
-                }
+                const int g = k_group(w.type, k), h = g + k_group_step(w.type);
+                const int32_t lane = sc16[g] * s16[g] + sc16[h] * s16[h];
                 const int32_t mlane = mn16[2 * k] * bs[2 * k] + mn16[2 * k + 1] * bs[2 * k + 1];
                 const float t = std::fma(-static_cast<float>(mlane), dm, static_cast<float>(lane) * dw);
                 fr[k] = std::fma(t, xd, fr[k]);
@@ -199,97 +248,214 @@ constexpr int64_t PF = GGUF_PF;  // bytes ahead in the values plane to prefetch
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// The two integer steps of every product, one VNNI instruction each where the build has VNNI
-// (AVX-512 VNNI with VL, or AVX-VNNI), two AVX2 instructions otherwise. Both give the same int32
-// lanes: no step saturates on our operands (unsigned values <= 128 times int8 activations in
-// [-127, 127] keep VPMADDUBSW's pair sums within int16), and int32 sums wrap alike in any grouping.
+// Where the build has VNNI (AVX-512 VNNI with VL, or AVX-VNNI), a dword lane's four products and
+// their sum are one VPDPBUSD; on AVX2 they are VPMADDUBSW and then VPMADDWD. Both give the same
+// int32 lanes: VPMADDUBSW never saturates on our operands (unsigned values <= 128 times int8
+// activations in [-127, 127] keep its pair sums within int16), and int32 sums wrap alike in any
+// grouping.
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define GGUF_VNNI 1
 #endif
 
-// acc + VPMADDWD(a, b): lane k += a[2k] * b[2k] + a[2k+1] * b[2k+1].
-inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+// acc + lane k: the sum of u[4k..4k+3] * s[4k..4k+3], u unsigned and s signed bytes.
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, a, b);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
-// Lane k: the sum of u[4k..4k+3] * s[4k..4k+3], u unsigned and s signed bytes.
 inline __m256i dot4(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#if defined(GGUF_VNNI)
+    return dpbusd(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
 
-// Two groups of 32 unsigned values of a k-quant super-block (``c`` = 0..3), their int16 scales
-// and the offsets of their activations within the super-block.
-struct Pair {
-    __m256i va, vb, sa, sb;
-    int xa, xb;
+// The 8 lanes of a k-quant super-block (see the portable build) come from 8 registers of 32
+// unsigned values whose dword lane k always lies in the 16-value groups lane k sums, so a row
+// multiplies each register once and applies the scales once per super-block: on VNNI a chain of
+// VPDPBUSD per group of registers, then VPMULLD by the scales; on AVX2 VPMADDUBSW per register,
+// int16 sums of 8 (Q4_K), 4 (Q5_K) or 2 (Q6_K) registers (at most 30480, 31496 and 32004 in
+// magnitude for values <= 15, 31, 63 against activations in [-127, 127], so never wrapped), then
+// one VPMADDWD by the scales per sum. In tiles of two rows or more the registers are shuffled out
+// of the GGUF layout once per super-block for all rows of the tile, and each row's activations are
+// stored once per call in the matching order (``kperm``).
+
+// A decoded super-block: its 8 value registers in ``kperm`` order and its scales per lane (VNNI:
+// int32 lanes; AVX2: each int16 pair of a lane; Q6_K: one vector per group of 4 registers).
+struct KBlock {
+    __m256i v[8], sc[2];
 };
 
+inline __m256i scale_lanes(__m128i bytes8, bool is_signed) {  // 8 scale bytes -> lane k: scale k
+#if defined(GGUF_VNNI)
+    return is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8);
+#else
+    const __m128i pairs = _mm_unpacklo_epi8(bytes8, bytes8);
+    return is_signed ? _mm256_cvtepi8_epi16(pairs) : _mm256_cvtepu8_epi16(pairs);
+#endif
+}
+
 template <int T>
-inline Pair k_pair(const Part& w, int64_t i, int c) {
+inline KBlock decode_block(const Part& w, int64_t i) {
+    KBlock k;
     const __m256i m4 = _mm256_set1_epi8(15);
-    Pair p;
     if constexpr (T == Q6_K) {
-        const int h = c >> 1, o = c & 1;  // half of the super-block; which 32 bytes of its ql
-        const __m256i l = load32(w.q + i * 128 + 64 * h + 32 * o), hb = load32(w.qh + i * 64 + 32 * h);
         const __m256i m3 = _mm256_set1_epi8(3);
-        p.va = _mm256_or_si256(_mm256_and_si256(l, m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * o), m3), 4));
-        p.vb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 + 2 * o), m3), 4));
-        const int ga = 4 * h + o, gb = 4 * h + 2 + o;
-        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16));
-        const auto pick = [&](int g) {  // lanes 0-7: scale 2g, lanes 8-15: scale 2g+1
-            const __m128i idx = _mm_unpacklo_epi64(_mm_set1_epi8(static_cast<char>(2 * g)), _mm_set1_epi8(static_cast<char>(2 * g + 1)));
-            return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, idx));
-        };
-        p.sa = pick(ga), p.sb = pick(gb), p.xa = 32 * ga, p.xb = 32 * gb;
-    } else {
-        const __m256i q = load32(w.q + i * 128 + 32 * c);
-        p.va = _mm256_and_si256(q, m4);
-        p.vb = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if constexpr (T == Q5_K) {
-            const __m256i hb = load32(w.qh + i * 32), one = _mm256_set1_epi8(1);
-            p.va = _mm256_or_si256(p.va, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
-            p.vb = _mm256_or_si256(p.vb, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+        const __m256i hb[2] = {load32(w.qh + i * 64), load32(w.qh + i * 64 + 32)};
+        for (int G = 0; G < 2; ++G) {
+            __m256i V[4];  // values 128G + 32m .. + 31: group 8G + 2m in the low half, 8G + 2m + 1 in the high
+            for (int o = 0; o < 2; ++o) {
+                const __m256i l = load32(w.q + i * 128 + 64 * G + 32 * o);
+                V[o] = _mm256_or_si256(_mm256_and_si256(l, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb[G], 2 * o), m3), 4));
+                V[2 + o] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb[G], 4 + 2 * o), m3), 4));
+            }
+            // A 4x4 dword transpose within each 128-bit half: register i takes dword i of each V.
+            const __m256i t0 = _mm256_unpacklo_epi32(V[0], V[1]), t1 = _mm256_unpackhi_epi32(V[0], V[1]);
+            const __m256i t2 = _mm256_unpacklo_epi32(V[2], V[3]), t3 = _mm256_unpackhi_epi32(V[2], V[3]);
+            k.v[4 * G] = _mm256_unpacklo_epi64(t0, t2), k.v[4 * G + 1] = _mm256_unpackhi_epi64(t0, t2);
+            k.v[4 * G + 2] = _mm256_unpacklo_epi64(t1, t3), k.v[4 * G + 3] = _mm256_unpackhi_epi64(t1, t3);
         }
-        p.sa = _mm256_set1_epi16(w.sc[i * 8 + 2 * c]), p.sb = _mm256_set1_epi16(w.sc[i * 8 + 2 * c + 1]);
-        p.xa = 64 * c, p.xb = 64 * c + 32;
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16));
+        k.sc[0] = scale_lanes(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 0, 0, 0, 0, 0, 0, 0, 0)), true);
+        k.sc[1] = scale_lanes(_mm_shuffle_epi8(sc, _mm_setr_epi8(8, 10, 12, 14, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0)), true);
+    } else {
+        // P[j], qword c: bytes 8j..8j+7 of the super-block's 32-byte chunk c (whose low nibbles are
+        // sub-block 2c, high nibbles sub-block 2c + 1). Shifting its odd dwords by 4 puts sub-block
+        // 2c in lane 2c and 2c + 1 in lane 2c + 1; the same after swapping each qword's dwords
+        // gives the other half of those bytes.
+        const uint8_t* q = w.q + i * 128;
+        const __m256i q0 = load32(q), q1 = load32(q + 32), q2 = load32(q + 64), q3 = load32(q + 96);
+        const __m256i a = _mm256_unpacklo_epi64(q0, q1), b = _mm256_unpackhi_epi64(q0, q1);
+        const __m256i c = _mm256_unpacklo_epi64(q2, q3), d = _mm256_unpackhi_epi64(q2, q3);
+        const __m256i P[4] = {_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(b, d, 0x20),
+                              _mm256_permute2x128_si256(a, c, 0x31), _mm256_permute2x128_si256(b, d, 0x31)};
+        const __m256i nib = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+        for (int j = 0; j < 4; ++j) {
+            k.v[2 * j] = _mm256_and_si256(_mm256_srlv_epi32(P[j], nib), m4);
+            k.v[2 * j + 1] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi32(P[j], 0xB1), nib), m4);
+        }
+        if constexpr (T == Q5_K) {
+            // The fifth bits: byte 8j + t of qh holds chunk c's in bits 2c (low nibble) and 2c + 1.
+            const __m256i one = _mm256_set1_epi8(1), bit = _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1);
+            const __m256i chunk = _mm256_setr_epi64x(0, 2, 4, 6);
+            for (int j = 0; j < 4; ++j) {
+                int64_t bits;
+                std::memcpy(&bits, w.qh + i * 32 + 8 * j, 8);
+                const __m256i h = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), chunk);
+                const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi32(h, bit), one);
+                const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi32(h, 0xB1), bit), one);
+                k.v[2 * j] = _mm256_or_si256(k.v[2 * j], _mm256_slli_epi16(h0, 4));
+                k.v[2 * j + 1] = _mm256_or_si256(k.v[2 * j + 1], _mm256_slli_epi16(h1, 4));
+            }
+        }
+        k.sc[0] = scale_lanes(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + i * 8)), false);
     }
-    return p;
+    return k;
+}
+
+// One row's 8 int32 lanes of a decoded super-block; x: its 256 activations in ``kperm`` order.
+template <int T>
+inline __m256i k_lanes(const KBlock& k, const int8_t* x) {
+#if defined(GGUF_VNNI)
+    const auto chain = [&](int r) {  // lane k: the products of registers r..r+3 in lane k
+        __m256i s = dot4(k.v[r], load32(x + 32 * r));
+        for (int e = r + 1; e < r + 4; ++e) s = dpbusd(s, k.v[e], load32(x + 32 * e));
+        return s;
+    };
+    if constexpr (T == Q6_K)
+        return _mm256_add_epi32(_mm256_mullo_epi32(chain(0), k.sc[0]), _mm256_mullo_epi32(chain(4), k.sc[1]));
+    else
+        return _mm256_mullo_epi32(_mm256_add_epi32(chain(0), chain(4)), k.sc[0]);
+#else
+    __m256i p[8];
+    for (int e = 0; e < 8; ++e) p[e] = _mm256_maddubs_epi16(k.v[e], load32(x + 32 * e));
+    if constexpr (T == Q4_K) {
+        const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                           _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
+        return _mm256_madd_epi16(s, k.sc[0]);
+    } else if constexpr (T == Q5_K) {
+        const __m256i s0 = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+        const __m256i s1 = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+        return _mm256_add_epi32(_mm256_madd_epi16(s0, k.sc[0]), _mm256_madd_epi16(s1, k.sc[0]));
+    } else {
+        const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), k.sc[0]),
+                                           _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), k.sc[0]));
+        const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), k.sc[1]),
+                                           _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), k.sc[1]));
+        return _mm256_add_epi32(a, b);
+    }
+#endif
+}
+
+// A one-row tile computes the same lanes without the weight shuffles, which it could not amortize:
+// it multiplies the super-block's registers in their GGUF order (with its activations in natural
+// order) and moves the sums into their lanes with horizontal adds. Register g (natural order) of a
+// Q4_K / Q5_K super-block is sub-block g; of a Q6_K one, groups 2g and 2g + 1 in its two halves.
+template <int T>
+inline void natural_block(const Part& w, int64_t i, __m256i* v) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if constexpr (T == Q6_K) {
+        const __m256i m3 = _mm256_set1_epi8(3);
+        for (int G = 0; G < 2; ++G) {
+            const __m256i hb = load32(w.qh + i * 64 + 32 * G);
+            for (int o = 0; o < 2; ++o) {
+                const __m256i l = load32(w.q + i * 128 + 64 * G + 32 * o);
+                v[4 * G + o] = _mm256_or_si256(_mm256_and_si256(l, m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * o), m3), 4));
+                v[4 * G + 2 + o] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4),
+                                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4 + 2 * o), m3), 4));
+            }
+        }
+    } else {
+        const __m256i hb = T == Q5_K ? load32(w.qh + i * 32) : _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i q = load32(w.q + i * 128 + 32 * c);
+            v[2 * c] = _mm256_and_si256(q, m4);
+            v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if constexpr (T == Q5_K) {
+                v[2 * c] = _mm256_or_si256(v[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+                v[2 * c + 1] = _mm256_or_si256(v[2 * c + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+            }
+        }
+    }
+}
+
+// One row's lanes of super-block i from its natural registers; x: its 256 activations in order.
+template <int T>
+inline __m256i k_lanes_natural(const Part& w, int64_t i, const int8_t* x) {
+    __m256i v[8], d[8];
+    natural_block<T>(w, i, v);
+    for (int g = 0; g < 8; ++g) d[g] = dot4(v[g], load32(x + 32 * g));
+    // Per 128-bit half: [sum of half of d0, of d1, of d2, of d3] (and likewise d4..d7).
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+    if constexpr (T == Q6_K) {  // lane L of a (b): group 2 (L & 3) + (L >> 2) (+ 8), as the shuffled layout
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16));
+        const __m256i s0 = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 0, 0, 0, 0, 0, 0, 0, 0)));
+        const __m256i s1 = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sc, _mm_setr_epi8(8, 10, 12, 14, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0)));
+        return _mm256_add_epi32(_mm256_mullo_epi32(a, s0), _mm256_mullo_epi32(b, s1));
+    } else {  // sub-block k: both halves of register k
+        const __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+        return _mm256_mullo_epi32(s, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + i * 8))));
+    }
 }
 
 template <int T, int R>
 inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f) {
-    const int8_t* x[R];
-    for (int r = 0; r < R; ++r) x[r] = a.row(r0 + r);
     for (int64_t b = 0; b < w.nb; ++b) {
-        const int64_t i = j * w.nb + b;
+        const int64_t i = j * w.nb + b, m = b * a.n + r0;  // m: the tile's first row of block b
         if constexpr (PF > 0) {
             _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + PF), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + 64 + PF), _MM_HINT_T0);
             if constexpr (T != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(w.qh + i * (T == Q6_K ? 64 : 32) + PF / 2), _MM_HINT_T0);
-        }
-        __m256i acc[R];
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
-            const Pair p = k_pair<T>(w, i, c);
-            for (int r = 0; r < R; ++r) {
-                const int8_t* xb = x[r] + b * 256;
-                acc[r] = madd_add(acc[r], _mm256_maddubs_epi16(p.va, load32(xb + p.xa)), p.sa);
-                acc[r] = madd_add(acc[r], _mm256_maddubs_epi16(p.vb, load32(xb + p.xb)), p.sb);
-            }
         }
         __m256i mscale;
         if constexpr (T == Q6_K)
@@ -297,11 +463,24 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
         else
             mscale = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)));
         const __m256 dw = _mm256_set1_ps(w.d[i]), dm = T == Q6_K ? dw : _mm256_set1_ps(w.dm[i]);
-        for (int r = 0; r < R; ++r) {  // f += xd * (dw * sum - dm * min term)
-            const int64_t ab = (r0 + r) * a.nb + b;
-            const __m256i m = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16)));
-            const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), dm, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r]), dw));
-            f[r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(a.d.data() + ab), f[r]);
+        if constexpr (R == 1) {
+            const int64_t ab = r0 * a.nb + b;
+            const __m256i lanes = k_lanes_natural<T>(w, i, a.row(r0) + b * 256);
+            const __m256i mins = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16)));
+            const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dm, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), dw));
+            f[0] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(a.d.data() + ab), f[0]);
+            continue;
+        }
+        const KBlock k = decode_block<T>(w, i);
+        const int8_t* x = a.kq[T == Q6_K ? 1 : 0].data() + m * 256;
+        const int16_t* bs = a.kbs.data() + m * 16;
+        const float* xd = a.kd.data() + m;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {  // f += xd * (dw * lanes - dm * min terms)
+            const __m256i lanes = k_lanes<T>(k, x + 256 * r);
+            const __m256i mins = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(bs + 16 * r)));
+            const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dm, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), dw));
+            f[r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(xd + r), f[r]);
         }
     }
 }
@@ -505,11 +684,12 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<i
                 "the norm weight must be [in] float32");
     std::vector<Part> ws;
     int64_t total = 0;
-    bool need_k = false, need_32 = false;
+    bool need_k = false, need_32 = false, orders[2] = {false, false};
     for (const auto& [type, out, planes] : parts) {
         ws.push_back(make_part(static_cast<int>(type), out, in, planes));
         total += out;
         (is_k(static_cast<int>(type)) ? need_k : need_32) = true;
+        if (lanes::avx2() && is_k(static_cast<int>(type))) orders[type == Q6_K ? 1 : 0] = true;
     }
     const bool add = residual.defined();
     TORCH_CHECK(!add || (residual.dim() == 2 && residual.size(0) == n && residual.size(1) == total &&
@@ -519,7 +699,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<i
     if (n == 0) return y;
     std::vector<float> buf;
     const float* xs = prepare(x, pre, norm, eps, in, buf);
-    const Acts ak = need_k ? quantize(xs, n, in, 256) : Acts{};
+    const Acts ak = need_k ? quantize(xs, n, in, 256, orders) : Acts{};
     const Acts a32 = need_32 ? quantize(xs, n, in, 32) : Acts{};
     std::vector<int64_t> starts{0};
     for (const auto& w : ws) starts.push_back(starts.back() + w.out);
