@@ -168,7 +168,7 @@ def test_compare_drafts_adds_rows_with_the_other_draft(tiny_pair, tmp_path):
     other = make_tiny_llm(tmp_path / "other-draft", "qwen2", seed=10, noise=0.4, tie_word_embeddings=False)
     code, summary, rows = bench(tmp_path, *pair_args(tiny_pair), "--methods", "draft_model", "--workload", "code",
                                 "--limit", "2", "--max-tokens", "12", "-k", "4", "--draft-quantize", "int8",
-                                "--draft-confidence", "0", "--compare-drafts", f"{draft},{other}")
+                                "--draft-confidence", "0", "--k-schedule", "fixed", "--compare-drafts", f"{draft},{other}")
     assert code == 0
     names = ["none", "draft_model", f"draft_model[{draft.name}]", "draft_model[other-draft]"]
     assert list(summary["methods"]) == names

@@ -158,22 +158,22 @@ def test_combined_uses_both_drafters(llm, monkeypatch):
     """A repeated prompt gives n-gram drafts at first; where nothing matches the draft model drafts."""
     drafter = llm.drafter("combined")
     used = {"ngram": 0, "model": 0}
-    ngram_propose, model_propose = drafter.ngram.propose, drafter.draft.propose
+    ngram_propose, model_drafting = drafter.ngram.propose, drafter.draft.drafting
 
     def ngram_spy(seq, k):
         proposal = ngram_propose(seq, k)
         used["ngram"] += proposal.k > 0
         return proposal
 
-    def model_spy(seq, k):
+    def model_spy(seq, k, *args, **kw):
         used["model"] += 1
-        return model_propose(seq, k)
+        return model_drafting(seq, k, *args, **kw)
 
     monkeypatch.setattr(drafter.ngram, "propose", ngram_spy)
-    monkeypatch.setattr(drafter.draft, "propose", model_spy)
+    monkeypatch.setattr(drafter.draft, "drafting", model_spy)
     repeated = "def add(a, b):\n    return a + b\n" * 3
     plain = llm.generate(repeated, _greedy(30), method="none")[0]
-    out = llm.generate(repeated, _greedy(30), method="combined")[0]
+    out = llm.generate(repeated, _greedy(30), method="combined", adaptive=False)[0]
     assert out.token_ids == plain.token_ids
     assert used["ngram"] > 0 and used["model"] > 0, used
 

@@ -199,7 +199,7 @@ def test_greedy_identity_with_and_without_datastore(llm, plain, output_store, k)
         accepted[name] = 0
         for seed in SEEDS:
             drafter = SuffixDrafter(datastore=store, tokenizer=llm.tokenizer)
-            out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, spec_k(k))
+            out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, spec_k(k, adaptive=False))
             assert out.token_ids == plain[seed], (name, k, seed)
             assert out.method == "suffix"
             accepted[name] += out.stats.accepted_tokens
@@ -213,14 +213,14 @@ def test_greedy_identity_with_history_of_earlier_requests(llm, plain, k):
     drafter = SuffixDrafter(history=history)  # one drafter reused across requests, like LLM.drafter()
     first = {}
     for seed in SEEDS:
-        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, spec_k(k))
+        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, spec_k(k, adaptive=False))
         assert out.token_ids == plain[seed]
         first[seed] = out.stats
     drafter.finish()
     assert len(history) > 0
     for seed in SEEDS:  # the same requests again: the history holds their whole output
         fresh = SuffixDrafter(history=history)
-        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), fresh, spec_k(k))
+        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), fresh, spec_k(k, adaptive=False))
         assert out.token_ids == plain[seed], (k, seed)
         assert out.stats.accepted_tokens > first[seed].accepted_tokens
         assert out.stats.target_steps < first[seed].target_steps
@@ -241,9 +241,9 @@ def test_engine_feeds_finished_requests_to_the_shared_history(llm, plain):
     """A fresh drafter per request (the server's way): the engine's finish hook fills the LLM's history."""
     prompt = llm.tokenizer.encode(_prompt(1))
     before = len(llm.suffix_history)
-    first = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), spec_k(8))
+    first = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), spec_k(8, adaptive=False))
     assert len(llm.suffix_history) > before
-    again = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), spec_k(8))
+    again = llm.engine.generate(prompt, _greedy(), llm.new_drafter("suffix"), spec_k(8, adaptive=False))
     assert first.token_ids == again.token_ids == plain[1]
     assert again.stats.target_steps < first.stats.target_steps
 

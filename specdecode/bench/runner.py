@@ -53,7 +53,7 @@ class RunSpec:
     name: str  # "draft_model", "draft_model@k=4" under --sweep-k, "...+fixed" for fixed K
     method: str
     k: int | None
-    adaptive: bool = True  # the draft length follows acceptance, up to k (see draft_length.py)
+    adaptive: bool = True  # the speculation policy picks the draft length, up to k (engine/policy.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ks.add_argument("--sweep-k", default=None, metavar="K1,K2,...",
                     help="run each speculative method at each K, e.g. 1,2,4,8; the advice names the best K")
     p.add_argument("--k-schedule", choices=("adaptive", "fixed", "both"), default="adaptive",
-                   help="adaptive: the draft length follows acceptance, up to K; fixed: K every step (the draft "
+                   help="adaptive: the speculation policy picks each step's draft length, up to K and 0 included, from "
+                        "measured costs and acceptance; fixed: K every step (the draft "
                         "model still stops early by --draft-confidence); both: "
                         "each method twice, fixed-K rows named METHOD+fixed (default: %(default)s)")
     add_draft_options(p, fixed_k=False)
