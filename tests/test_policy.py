@@ -103,6 +103,8 @@ def test_a_request_off_drafting_probes_ever_more_rarely():
     probes = [i for i, k in enumerate(picks) if k]
     assert [picks[i] for i in probes] == [PROBE_K] * 3
     assert [b - a for a, b in zip(probes, probes[1:])] == [32, 64]
+    behind = _request(0.5, catch_up=40)  # a draft model that missed 40 tokens: a probe would pay a prefill
+    assert set(policy.draft_lengths([behind])[0] for _ in range(200)) == {0}
     request.state.probe_after = PROBE_AFTER_MAX
     assert set(policy.draft_lengths([request])[0] for _ in range(PROBE_AFTER_MAX - 1)) == {0}
 

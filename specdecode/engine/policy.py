@@ -14,7 +14,8 @@ time, best gain per second first, while each adds more tokens per second than th
 at its current rate: so a request drafts nothing when not even its first draft repays itself (a
 plain step), and a step of many requests, whose extra rows cost integer compute, drafts less.
 A request at K = 0 measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
-once to re-measure (the wait doubles while drafting stays off). A seeded sampled request is
+once to re-measure (the wait doubles while drafting stays off), unless its drafter would first
+have to catch up on the tokens it missed (a draft model's prefill). A seeded sampled request is
 planned on fixed reference costs instead (``DraftRequest.reproducible``).
 
 ``FixedK`` drafts ``num_speculative_tokens`` every step (``adaptive=False``: for experiments).
@@ -133,7 +134,7 @@ class CostModel(SpeculationPolicy):
             state.idle, state.probe_after = 0, PROBE_AFTER
             return k
         state.idle += 1
-        if state.idle < state.probe_after:
+        if state.idle < state.probe_after or r.catch_up:  # a probe must not pay a catch-up (a prefill)
             return 0
         state.idle, state.probe_after = 0, min(2 * state.probe_after, PROBE_AFTER_MAX)
         return min(PROBE_K, r.limit)
