@@ -45,11 +45,13 @@ def test_greedy_identity(llm, method, k):
     for seed in SEEDS:
         prompt = _prompt(seed)
         plain = llm.generate(prompt, _greedy(), method="none")[0]
-        spec = llm.generate(prompt, _greedy(), method=method, num_speculative_tokens=k)[0]
-        assert spec.token_ids == plain.token_ids, (method, k, seed)
-        assert spec.text == plain.text
-        drafted += spec.stats.draft_tokens
-        assert spec.stats.accepted_tokens <= spec.stats.draft_tokens
+        # The policy's K (which may be 0 where drafts cannot pay), then K every step.
+        for adaptive in (True, False):
+            spec = llm.generate(prompt, _greedy(), method=method, num_speculative_tokens=k, adaptive=adaptive)[0]
+            assert spec.token_ids == plain.token_ids, (method, k, seed, adaptive)
+            assert spec.text == plain.text
+            drafted += spec.stats.draft_tokens
+            assert spec.stats.accepted_tokens <= spec.stats.draft_tokens
     assert drafted > 0, "the drafter never proposed anything: the test would prove nothing"
 
 
@@ -92,7 +94,8 @@ def test_some_drafts_are_rejected_and_some_accepted(llm):
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_perfect_draft_accepts_everything(self_draft_llm, k):
-    out = self_draft_llm.generate(_prompt(1), _greedy(33), method="draft_model", num_speculative_tokens=k)[0]
+    out = self_draft_llm.generate(_prompt(1), _greedy(33), method="draft_model", num_speculative_tokens=k,
+                              adaptive=False)[0]  # a draft as dear as the target: the policy would not draft
     plain = self_draft_llm.generate(_prompt(1), _greedy(33), method="none")[0]
     assert out.token_ids == plain.token_ids
     assert out.stats.acceptance_rate == 1.0
