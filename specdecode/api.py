@@ -13,7 +13,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, ModelSpec, SpecConfig)
+from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, ModelSpec, SpecConfig,
+                               default_method)
 from specdecode.params import SamplingParams
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.registry import REGISTRY, DraftResources, build_drafter
@@ -54,7 +55,8 @@ class LLM:
         progress: bool = True,
         **spec: Any,
     ) -> None:
-        """``spec``: any ``SpecConfig`` field (``method``, ``num_speculative_tokens``,
+        """``spec``: any ``SpecConfig`` field (``method``: by default ``combined`` with a draft
+        model, ``suffix`` without one, see ``config.default_method``; ``num_speculative_tokens``,
         ``adaptive``, ``draft_confidence``, ``ngram_min``/``ngram_max``, ``lookahead_*``), the
         defaults for every call; documented and validated there.
         ``draft_quantize``: "int4" (the default) gives the draft's decode steps 4-bit weights
@@ -76,6 +78,8 @@ class LLM:
         if unknown:
             raise InvalidConfigError(f"LLM() got unknown setting(s) {', '.join(unknown)}; the speculative ones are "
                                      f"{', '.join(f.name for f in dataclasses.fields(SpecConfig))}")
+        if spec.get("method") is None:
+            spec["method"] = default_method(model, draft)
         self.spec = SpecConfig(**spec)
         self.model_spec = ModelSpec(model, dtype, max_seq_len)
         if draft is None and REGISTRY[self.spec.method].needs_draft_model:

@@ -34,6 +34,15 @@ DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}  # the draft a m
 DEFAULT_MAX_SEQ_LEN = 4096  # context allocated per sequence
 
 
+def default_method(model: str, draft: str | None) -> str:
+    """The method a run uses unless told: ``combined`` where a draft model is at hand (``draft``
+    given, or the catalog's pair for ``model``), else ``suffix``. Both draft free copies from
+    context matches first, and ``combined`` asks the draft model where that pays; the speculation
+    policy decodes plainly where nothing pays, so the default is never much slower than ``none``
+    (docs/BENCHMARKS.md has the figures)."""
+    return "combined" if draft is not None or model in DEFAULT_DRAFTS else "suffix"
+
+
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
     """Every speculative setting, each validated here once. ``LLM`` takes them as keywords;
@@ -53,9 +62,9 @@ class SpecConfig:
     """Shortest context suffix the n-gram drafter tries to match."""
     ngram_max: int = NGRAM_MAX
     """Longest suffix it tries first (the combined and tree drafters' matches too)."""
-    combined_min_match: int = 3
-    """Shortest context match for which ``combined`` copies instead of asking the draft model:
-    shorter matches guess worse than the draft model does."""
+    combined_min_match: int = 2
+    """Shortest context match ``combined`` offers a copy from; the speculation policy then
+    chooses between the copy and the draft model by what each earned so far."""
     tree_ngram_min: int = 2
     """Shortest context match whose continuation ``tree`` adds as a branch."""
     lookahead_window: int = LOOKAHEAD_WINDOW

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -158,27 +159,24 @@ def test_bfloat16_greedy_identity(tiny_pair):
 
 
 def test_combined_uses_both_drafters(llm, monkeypatch):
-    """A repeated prompt gives n-gram drafts at first; where nothing matches the draft model drafts."""
+    """A repeated prompt gives copies at first; where nothing matches the draft model drafts."""
     drafter = llm.drafter("combined")
-    used = {"ngram": 0, "model": 0}
-    ngram_propose, model_drafting = drafter.ngram.propose, drafter.draft.drafting
+    used = {"copy": 0, "model": 0}
+    offer = drafter.sources
 
-    def ngram_spy(seq, k):
-        proposal = ngram_propose(seq, k)
-        used["ngram"] += proposal.k > 0
-        return proposal
+    def counted(source):
+        def draft(seq, k):
+            used["model" if source.name == "draft_model" else "copy"] += 1
+            return source.draft(seq, k)
 
-    def model_spy(seq, k, *args, **kw):
-        used["model"] += 1
-        return model_drafting(seq, k, *args, **kw)
+        return dataclasses.replace(source, draft=draft)
 
-    monkeypatch.setattr(drafter.ngram, "propose", ngram_spy)
-    monkeypatch.setattr(drafter.draft, "drafting", model_spy)
+    monkeypatch.setattr(drafter, "sources", lambda seq: tuple(counted(s) for s in offer(seq)))
     repeated = "def add(a, b):\n    return a + b\n" * 3
     plain = llm.generate(repeated, _greedy(30), method="none")[0]
     out = llm.generate(repeated, _greedy(30), method="combined", adaptive=False)[0]
     assert out.token_ids == plain.token_ids
-    assert used["ngram"] > 0 and used["model"] > 0, used
+    assert used["copy"] > 0 and used["model"] > 0, used
 
 
 def test_draft_length_out_of_range_is_refused(llm):

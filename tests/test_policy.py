@@ -151,3 +151,32 @@ def test_a_seeded_sampled_request_gets_its_k_from_its_own_history_alone():
             picks.add(tuple(policy.draft_lengths([seeded(0.9)] + [_request(0.9) for _ in range(neighbours)])[:1]))
     assert len(picks) == 1 and picks.pop()[0] > 0
     assert CostModel(_costs(row_s=0.0, draft_s=0.0)).draft_lengths([seeded(0.2)]) == [0]  # poor drafts: none, at any speed
+
+
+def test_a_long_copy_is_picked_over_the_draft_model_and_a_failing_copy_is_not():
+    """``pick_sources``: a free copy at good acceptance beats a paid draft at the same; a copy
+    that keeps failing loses to the draft model."""
+    costs = _costs(row_s=0.008, draft_s=0.012)
+    costs.draft_token_s["suffix/match8"] = 0.0
+    policy = CostModel(costs)
+    copy, model = _request(0.8, method="suffix/match8"), _request(0.8)
+    assert policy.pick_sources([[copy, model]]) == [0]
+    assert policy.pick_sources([[_request(0.1, method="suffix/match8"), model]]) == [1]
+    # the choice does not depend on the order offered, only ties do
+    assert policy.pick_sources([[model, copy]]) == [1]
+
+
+def test_a_request_with_one_source_and_fixed_k_take_the_first():
+    policy, fixed = CostModel(_costs(row_s=0.008)), FixedK()
+    assert policy.pick_sources([[_request(0.5)]]) == [0]
+    assert fixed.pick_sources([[_request(0.1, method="suffix/match1"), _request(0.9)]]) == [0]
+
+
+def test_a_seeded_sampled_request_picks_its_source_without_timings():
+    """Reproducible requests choose on reference costs and their own history: the pick is the
+    same whatever the machine measured."""
+    fast, slow = CostModel(_costs(row_s=0.001, draft_s=0.001)), CostModel(_costs(row_s=0.039, draft_s=0.03))
+    options = [[_request(a, method="suffix/match4", reproducible=True), _request(0.7, reproducible=True)]
+               for a in (0.05, 0.3, 0.6, 0.9)]
+    assert fast.pick_sources(options) == slow.pick_sources(options)
+    assert fast.pick_sources(options)[0] == 1 and fast.pick_sources(options)[-1] == 0

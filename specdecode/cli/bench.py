@@ -24,7 +24,7 @@ from specdecode.params import SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES
 from specdecode.errors import InvalidConfigError
 
-DEFAULT_METHODS = "none,ngram,draft_model"
+DEFAULT_METHODS = "none,combined,draft_model,ngram"  # combined: the default method
 PEERS = ("hf", "llamacpp", "vllm")
 
 EPILOG = """\

@@ -20,7 +20,7 @@ PROMPTS = [
                   "    return tmp\n```"),
     ("chat", "Explain in three sentences why the sky is blue."),
 ]
-METHODS = ("none", "ngram", "draft_model")
+METHODS = ("none", "combined", "draft_model", "ngram")  # combined: the default method
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specdecode.api import LLM
 
-    llm = LLM(method="draft_model", num_speculative_tokens=args.k)
+    llm = LLM(num_speculative_tokens=args.k)  # the default method, combined, loads the draft model
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     weights = "GGUF weights run as shipped" if llm.quantize == "native" else f"{llm.quantize or 'float32'} weights"
     print(f"target {llm.model_name} ({weights}), draft {llm.draft_name}, greedy, {args.max_tokens} new "

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
-                                    add_quantize_option, method_options)
+                                    add_quantize_option, chosen_method, method_options)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.params import MAX_LOGPROBS, Constraint, SamplingParams
 from specdecode.errors import InvalidConfigError
@@ -84,11 +84,12 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
                             constraint=constraint_from_args(args))
-    llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+    method = chosen_method(args)
+    llm = LLM(model=args.model, draft=args.draft, method=method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json,
               adaptive=not args.fixed_k, draft_quantize=args.draft_quantize,
               draft_confidence=args.draft_confidence, quantize=args.quantize,
-              **method_options(args, [args.method]))
+              **method_options(args, [method]))
     ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
     if not args.json and not args.compare:
         for event in llm.events(ids, params):

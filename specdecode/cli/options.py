@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS,
-                               DRAFT_QUANTIZE_CHOICES, LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW)
+                               DRAFT_QUANTIZE_CHOICES, LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW, default_method)
 from specdecode.drafters.registry import METHOD_NAMES, method_help
 
 METHOD_HELP = method_help()
@@ -16,9 +16,16 @@ METHOD_HELP = method_help()
 
 def add_method_flag(p: argparse.ArgumentParser, k_help: str) -> None:
     """``--method`` and ``-k`` for commands that run one method (generate, serve)."""
-    p.add_argument("--method", choices=METHOD_NAMES, default="none", help=METHOD_HELP + " (default: %(default)s)")
+    p.add_argument("--method", choices=METHOD_NAMES, default=None,
+                   help=METHOD_HELP + " (default: combined with a draft model, i.e. with the default target or "
+                                      "--draft; else suffix)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, dest="k",
                    help=k_help + " (default: %(default)s)")
+
+
+def chosen_method(args: argparse.Namespace) -> str:
+    """``--method``, or the default for ``--model`` and ``--draft`` (``config.default_method``)."""
+    return args.method or default_method(args.model, args.draft)
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import threading
 import time
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
-                                    add_quantize_option, method_options)
+                                    add_quantize_option, chosen_method, method_options)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.errors import InvalidConfigError
 from specdecode.server.k_by_load import parse_k_by_load
@@ -91,11 +91,12 @@ def run(args: argparse.Namespace) -> int:
     from specdecode.server.app import create_app
     from specdecode.server.scheduler import Scheduler
 
-    llm = LLM(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+    method = chosen_method(args)
+    llm = LLM(model=args.model, draft=args.draft, method=method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
               draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, quantize=args.quantize,
-              **method_options(args, [args.method]))
-    scheduler = Scheduler(llm, method=args.method, k=args.k, max_concurrency=args.max_concurrency,
+              **method_options(args, [method]))
+    scheduler = Scheduler(llm, method=method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue, k_by_load=parse_k_by_load(args.k_by_load))
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins,
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
     name = args.served_model_name or args.model
-    print(f"specdecode: serving {name!r} (method {args.method}, k {args.k}) on "
+    print(f"specdecode: serving {name!r} (method {method}, k {args.k}) on "
           f"http://{_url_host(args.host)}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
     _log_like_uvicorn(args.log_level)
     # uvicorn's own grace outlasts ours, so the requests we end still send their 503 or error event.

@@ -16,7 +16,7 @@ answers each call with a forward of its own.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
@@ -52,6 +52,34 @@ CATCH_UP_TOKENS = 4
 
 # A drafting coroutine: yields the model calls it needs, is sent their logits, returns the proposal.
 Drafting: TypeAlias = Generator[ModelCall, Tensor, DraftProposal]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DraftSource:
+    """One way a drafter can draft the coming step, as the speculation policy weighs it.
+
+    Most drafters have one source: themselves. A drafter with several (``combined``: a copy from
+    a context match when there is one, and the draft model) offers each, and the policy picks the
+    one with the best expected tokens per second from what it measured of each. ``name`` is what
+    the policy learns acceptance and cost under: the method's name, or ``method/source`` (a copy
+    from a long match is a different bet from a copy from a short one).
+    """
+
+    name: str
+    cost_prior: float  # a drafted token's cost as a share of a target step, until measured
+    draft: Callable[[SequenceState, int], Drafting]  # (seq, k) -> the drafting coroutine
+    limit: int | None = None  # the most drafts it can give now (a match's continuation); None: any
+    catch_up: int = 0  # tokens its model must feed first (``Drafter.catch_up``)
+
+
+def copy_source(name: str, tokens: list[int]) -> DraftSource:
+    """A free source proposing the first k of ``tokens`` (a match's continuation)."""
+
+    def draft(seq: SequenceState, k: int) -> Drafting:
+        return DraftProposal(torch.tensor(tokens[:k], dtype=torch.long), None)
+        yield  # a generator function: the proposal is its return value
+
+    return DraftSource(name, 0.0, draft, limit=len(tokens))
 
 
 def run_alone(drafting: Drafting) -> DraftProposal:
@@ -126,6 +154,12 @@ class Drafter(ABC):
         loop runs together with other requests' calls. The default makes no calls."""
         return self.propose(seq, k)
         yield  # a generator function: the proposal is its return value
+
+    def sources(self, seq: SequenceState) -> tuple[DraftSource, ...]:
+        """The ways this drafter can draft the coming step (see ``DraftSource``), the one to
+        prefer at equal merit first; the step loop asks just before drafting. The default: the
+        drafter itself, at its cost prior and catch-up."""
+        return (DraftSource(self.name, self.draft_cost_prior, self.drafting, catch_up=self.catch_up(seq)),)
 
     def observe(self, logits: Tensor) -> None:
         """The verify forward's logits [rows, V], before ``accept`` (drafters that learn from them)."""

@@ -96,7 +96,8 @@ def _tree(r: DraftResources, capacity: int) -> Drafter:
 
 
 def _combined(r: DraftResources, capacity: int) -> Drafter:
-    return CombinedDrafter(_draft_model(r, capacity), min_match=r.spec.combined_min_match, ngram_max=r.spec.ngram_max)
+    copy = SuffixDrafter(r.datastore, r.suffix_history, min_match=r.spec.combined_min_match)
+    return CombinedDrafter(_draft_model(r, capacity), copy)
 
 
 def _eagle(r: DraftResources, capacity: int) -> Drafter:
@@ -114,7 +115,8 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("ngram", "prompt lookup", _ngram),
     Method("draft_model", "a small model drafts (one of another vocabulary drafts through text)", _draft_model,
            needs_draft_model=True),
-    Method("combined", "n-gram when the context matches, else the draft model", _combined, needs_draft_model=True),
+    Method("combined", "copies from context matches (prompt, earlier requests, --datastore) when they pay, else the "
+                       "draft model; the default with a draft model", _combined, needs_draft_model=True),
     Method("tree", "the draft model's chain plus its second choices and n-gram copies, verified as one token tree",
            _tree, needs_draft_model=True),
     Method("lookahead", "Jacobi n-grams guessed and checked in the same forward", _lookahead),

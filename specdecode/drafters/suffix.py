@@ -23,18 +23,26 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, DraftSource, copy_source
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.errors import InvalidConfigError
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
 from specdecode.index.matches import Match
 from specdecode.index.ngram_table import NgramTable
+from specdecode.params import MAX_SPECULATIVE_TOKENS
 from specdecode.tokenizer import Tokenizer
 
 __all__ = ["SuffixDrafter", "SuffixHistory"]
 
 _LONG_LEVEL = 8  # the own-context table's second n-gram level (see NgramTable)
+MATCH_BUCKETS = (1, 4, 8, 16)  # lower bounds of the match lengths a copy's acceptance is learned by
+
+
+def match_bucket(length: int) -> str:
+    """A match length's bucket, e.g. "match4" for 4..7 tokens: the name a copy's acceptance is
+    learned under."""
+    return f"match{max(b for b in MATCH_BUCKETS if b <= max(length, 1))}"
 
 
 class SuffixDrafter(Drafter):
@@ -75,17 +83,30 @@ class SuffixDrafter(Drafter):
         self._own.extend(seq.token_ids)
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
+        draft, _ = self.lookup(seq, k)
+        return DraftProposal(torch.tensor(draft, dtype=torch.long), None) if draft else EMPTY_PROPOSAL
+
+    def sources(self, seq: SequenceState) -> tuple[DraftSource, ...]:
+        """The continuation of the longest match, named by how long the match is: a copy after a
+        long match is a much safer bet than after a two-token one, so the policy learns each
+        bucket's acceptance apart (see ``match_bucket``). None when nothing matches."""
+        draft, length = self.lookup(seq, MAX_SPECULATIVE_TOKENS)
+        if not draft:
+            return ()
+        return (copy_source(f"{self.name}/{match_bucket(length)}", draft),)
+
+    def lookup(self, seq: SequenceState, k: int) -> tuple[list[int], int]:
+        """Up to ``k`` draft tokens continuing ``seq`` and the length of the match they follow
+        (([], 0) when nothing matches)."""
         if seq is not self._seq:  # a caller that skipped begin(): start this request now
             self.begin(seq)
         tokens = seq.token_ids
         self._own.extend(tokens[self._own.size :])  # committed tokens only grow within a request
         if k <= 0:
-            return EMPTY_PROPOSAL
-        context = tokens[-self.max_match :]
-        draft = self._draft(context, k)
-        return DraftProposal(torch.tensor(draft, dtype=torch.long), None) if draft else EMPTY_PROPOSAL
+            return [], 0
+        return self._draft(tokens[-self.max_match :], k)
 
-    def _draft(self, context: list[int], k: int) -> list[int]:
+    def _draft(self, context: list[int], k: int) -> tuple[list[int], int]:
         """From the longest match over the sources; among equals the earlier source first."""
         longest_possible = min(self.max_match, len(context))
         shorter: list[Match] = []
@@ -98,12 +119,12 @@ class SuffixDrafter(Drafter):
                 continue
             draft = match.continuation(k, self.min_share)  # nothing later can be longer: skip it
             if draft:
-                return draft
+                return draft, match.length
         for match in sorted(shorter, key=lambda m: -m.length):  # stable: keeps source priority
             draft = match.continuation(k, self.min_share)
             if draft:
-                return draft
-        return []
+                return draft, match.length
+        return [], 0
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         """No per-step state to roll back: the tables hold committed tokens only."""

@@ -27,6 +27,7 @@ from specdecode.engine.costs import RequestOutcome, StepTimes
 from specdecode.engine.drafting import DraftWork, draft_all
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.engine.policy import DraftRequest, SpeculationPolicy
+from specdecode.drafters.base import DraftSource
 from specdecode.models.decoder import Decoder
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal
 
@@ -114,7 +115,7 @@ class Batch:
             self._leave(m, out, exc)
 
     def _decode(self, decoding: list[Member], running: int, out: StepOutcome) -> None:
-        proposals, works = self._draft(decoding, running, out)
+        proposals, works, sources = self._draft(decoding, running, out)
         catch_ups = [c for work in works.values() for c in work.catch_ups]
         batch: list[tuple[Member, Tensor]] = []
         for m in decoding:
@@ -146,9 +147,9 @@ class Batch:
             gen = m.gen
             try:
                 out.events.append((m, gen.commit(rows, forward_s)))
-                if not gen.forced_step and gen.drafter is not None:
-                    work = works.get(m)
-                    step.requests.append(RequestOutcome(gen.drafter.name, gen.speculation, gen.proposal.depth,
+                if not gen.forced_step and m in sources:
+                    work, source = works.get(m), sources[m]
+                    step.requests.append(RequestOutcome(source, gen.speculation_for(source), gen.proposal.depth,
                                                         gen.accepted, work.seconds - work.catch_up_s if work else 0.0))
                 if gen.finished:
                     out.events.append((m, gen.finish()))
@@ -167,16 +168,25 @@ class Batch:
                                          captures=[m.gen.capture for m, _ in batch])
 
     def _draft(self, decoding: list[Member], running: int, out: StepOutcome
-               ) -> tuple[dict[Member, DraftProposal], dict[Member, DraftWork]]:
-        """This step's drafts for ``decoding``, at the lengths the policy chose: the proposals, and
-        each drafting request's work (its times and catch-ups)."""
+               ) -> tuple[dict[Member, DraftProposal], dict[Member, DraftWork], dict[Member, str]]:
+        """This step's drafts for ``decoding``, from the sources and at the lengths the policy
+        chose: the proposals, each drafting request's work (its times and catch-ups) and the
+        name of the source each drafting request used."""
         drafting = [m for m in decoding if m.gen.drafts]
-        ks = self.policy.draft_lengths([_draft_request(m.gen) for m in drafting], running, self.cap) if drafting else []
+        options = [[(source, _draft_request(m.gen, source)) for source in m.gen.drafter.sources(m.gen.seq)]
+                   for m in drafting]
+        members = [m for m, opts in zip(drafting, options) if opts]  # a drafter may have nothing to offer
+        options = [opts for opts in options if opts]
+        picks = self.policy.pick_sources([[r for _, r in opts] for opts in options]) if options else []
+        chosen = [opts[i] for opts, i in zip(options, picks)]
+        ks = self.policy.draft_lengths([r for _, r in chosen], running, self.cap) if chosen else []
         self.last_k = max(ks, default=0)
         works: dict[Member, DraftWork] = {}
-        for m, k in zip(drafting, ks):
+        names: dict[Member, str] = {}
+        for m, (source, _), k in zip(members, chosen, ks):
+            names[m] = source.name
             if k > 0:
-                works[m] = DraftWork(m.gen.drafter.drafting(m.gen.seq, k))
+                works[m] = DraftWork(source.draft(m.gen.seq, k))
         draft_all(list(works.values()))
         proposals = {}
         for m, work in works.items():
@@ -184,11 +194,12 @@ class Batch:
                 self._leave(m, out, work.error)
             else:
                 proposals[m] = work.proposal
-        return proposals, works
+        return proposals, works, names
 
 
-def _draft_request(gen: Generation) -> DraftRequest:
-    seq, drafter = gen.seq, gen.drafter
-    return DraftRequest(drafter.name, gen.k_max, gen.draft_room(), gen.adaptive, drafter.catch_up(seq),
-                        min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation,
-                        drafter.draft_cost_prior, reproducible=not seq.params.greedy and seq.params.seed is not None)
+def _draft_request(gen: Generation, source: DraftSource) -> DraftRequest:
+    seq = gen.seq
+    k_max = gen.k_max if source.limit is None else min(gen.k_max, source.limit)
+    return DraftRequest(source.name, k_max, gen.draft_room(), gen.adaptive, source.catch_up,
+                        min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation_for(source.name),
+                        source.cost_prior, reproducible=not seq.params.greedy and seq.params.seed is not None)

@@ -79,7 +79,8 @@ class Generation:
         # The policy chooses K unless told not to, or the drafter sizes its own proposals (a
         # lookahead window's depth is not a draft length).
         self.adaptive = spec.adaptive and (drafter is None or drafter.adapts_length)
-        self.speculation = RequestSpeculation()  # what the speculation policy learns of this request
+        # What the speculation policy learns of this request, per draft source (``DraftSource.name``).
+        self.speculation: dict[str, RequestSpeculation] = {}
         self.stops = StopChecker(tokenizer, params)
         self.synthetic = spec.synthetic_acceptance  # None: the exact rules (see sample/synthetic.py)
         self.proposal = EMPTY_PROPOSAL
@@ -131,6 +132,10 @@ class Generation:
             logprobs = token_logprobs(rows, new, self.seq.params.logprobs or 0)
             self.logprobs += logprobs
         return StreamEvent(self.stops.take_text(), new, logprobs=logprobs)
+
+    def speculation_for(self, source: str) -> RequestSpeculation:
+        """What the policy learned of this request's drafts from ``source``."""
+        return self.speculation.setdefault(source, RequestSpeculation())
 
     @property
     def drafts(self) -> bool:

@@ -13,7 +13,10 @@ a^j expected tokens and costs its draft time plus one verify row. Drafts are add
 time, best gain per second first, while each adds more tokens per second than the step makes
 at its current rate: so a request drafts nothing when not even its first draft repays itself (a
 plain step), and a step of many requests, whose extra rows cost integer compute, drafts less.
-A request at K = 0 measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
+A drafter may offer several sources for a step (``Drafter.sources``: ``combined`` offers a free
+copy from a context match and its draft model); ``pick_sources`` takes, per request, the one with
+the best expected rate, and acceptance and cost are learned per source name. A request at K = 0
+measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
 once to re-measure (the wait doubles while drafting stays off), unless its drafter would first
 have to catch up on the tokens it missed (a draft model's prefill). A seeded sampled request is
 planned on fixed reference costs instead (``DraftRequest.reproducible``).
@@ -89,6 +92,11 @@ class SpeculationPolicy(ABC):
         capped = [r if cap is None else _with_limit(r, min(r.limit, cap)) for r in requests]
         return [min(k, r.limit) for k, r in zip(self.choose(capped), capped)]
 
+    def pick_sources(self, options: Sequence[Sequence[DraftRequest]]) -> list[int]:
+        """For each request, which of its draft sources (``Drafter.sources``, one ``DraftRequest``
+        each) drafts this step, as an index into its options. The default: the first."""
+        return [0] * len(options)
+
     def record(self, step: StepTimes) -> None:
         """A step's measured costs and outcomes (policies that learn override this)."""
 
@@ -116,7 +124,7 @@ class CostModel(SpeculationPolicy):
         measured = [i for i, r in enumerate(requests) if not r.reproducible]
         for i, r in enumerate(requests):
             if r.reproducible:  # its own history and fixed costs alone decide, as if it ran alone
-                ks[i] = _allocate([r], REFERENCE_COSTS, lambda r: _clamp(r.state.acceptance, PRIOR_ACCEPTANCE))[0]
+                ks[i] = _allocate([r], *self._basis(r))[0]
         if not self.costs.verify_measured:  # nothing measured yet: draft a little and measure
             for i in measured:
                 ks[i] = requests[i].limit if not requests[i].adaptive else min(requests[i].limit, PROBE_K)
@@ -124,6 +132,32 @@ class CostModel(SpeculationPolicy):
             for i, k in zip(measured, _allocate([requests[i] for i in measured], self.costs, self.acceptance)):
                 ks[i] = k
         return [self._probe(r, k) for r, k in zip(requests, ks)]
+
+    def pick_sources(self, options: Sequence[Sequence[DraftRequest]]) -> list[int]:
+        """The source with the best expected tokens per second drafting alone at its best K
+        (a first-order choice: in a batch, the other requests' rows change K, rarely the winner).
+        Ties go to the earlier source."""
+        picks = []
+        for opts in options:
+            rates = [self._solo_rate(r) for r in opts]
+            picks.append(max(range(len(opts)), key=lambda i: (rates[i], -i)))
+        return picks
+
+    def _basis(self, r: DraftRequest) -> tuple[Costs, Callable[[DraftRequest], float]]:
+        """The costs and acceptance ``r`` is planned on: fixed reference costs and its own
+        history when reproducible (or before anything is measured), else measured ones."""
+        if r.reproducible:
+            return REFERENCE_COSTS, lambda r: _clamp(r.state.acceptance, PRIOR_ACCEPTANCE)
+        return (self.costs if self.costs.verify_measured else REFERENCE_COSTS), self.acceptance
+
+    def _solo_rate(self, r: DraftRequest) -> float:
+        costs, acceptance = self._basis(r)
+        [k] = _allocate([r], costs, acceptance)
+        tokens = _expected(acceptance(r), k)
+        seconds = costs.verify(1 + k) + k * costs.draft_token(r)
+        if k and r.catch_up:
+            seconds += costs.catch_up(r.catch_up) / max(r.remaining / tokens, 1.0)
+        return tokens / seconds if seconds > 0 else tokens
 
     def _probe(self, r: DraftRequest, k: int) -> int:
         """``k``, or ``PROBE_K`` for a request whose drafting has been off long enough to re-measure."""
