@@ -13,13 +13,15 @@ method is left out of those tests without a named reason in ``EXCLUDED``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from specdecode import LLM
 from specdecode.drafters.registry import METHOD_NAMES, REGISTRY
+from specdecode.engine.policy import DraftRequest, SpeculationPolicy
 from specdecode.heads.eagle3 import Eagle3Config
 from specdecode.heads.eagle3_format import save_eagle3
 from specdecode.heads.medusa import MedusaConfig
@@ -64,3 +66,18 @@ def tiny_heads(llm: LLM, root: Path) -> dict[str, str]:
     """For every head a registered method needs, one for ``llm``'s target (saved under ``root``),
     keyed by ``LLM``'s keyword for it."""
     return {field: str(HEAD_BUILDERS[field](llm, root / field)) for field in HEAD_FIELDS}
+
+
+class RandomK(SpeculationPolicy):
+    """A policy that changes every request's K (0 included) and draft source at random each
+    step, from its own random stream (never a request's), so exactness tests see K change
+    step to step: the output must not."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, requests: Sequence[DraftRequest]) -> list[int]:
+        return [self.rng.randint(0, r.limit) if r.adaptive else r.limit for r in requests]
+
+    def pick_sources(self, options: Sequence[Sequence[DraftRequest]]) -> list[int]:
+        return [self.rng.randrange(len(o)) for o in options]

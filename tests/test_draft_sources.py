@@ -69,5 +69,6 @@ def test_the_step_loop_learns_each_source_apart_and_stays_exact(tiny_pair):
     [plain] = llm.generate([prompt], params, method="none")
     [out] = llm.generate([prompt], params)
     assert out.token_ids == plain.token_ids
+    assert 0 < out.stats.free_drafts <= out.stats.drafts  # copies were drafted, and counted
     learned = set(llm.engine.policy.method_acceptance)
     assert any(name.startswith("suffix/match") for name in learned), learned

@@ -10,7 +10,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from tests.conftest import spec_k
-from tests.methods import SPEC_METHODS
+from tests.methods import SPEC_METHODS, RandomK
 
 SEEDS = range(6)
 
@@ -56,6 +56,21 @@ def test_greedy_identity(llm, method, k):
     assert drafted > 0, "the drafter never proposed anything: the test would prove nothing"
 
 
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_greedy_identity_while_k_and_source_change_every_step(llm, method, monkeypatch):
+    """K (0 included) and the draft source drawn at random each step: the output never moves."""
+    monkeypatch.setattr(llm.engine, "policy", RandomK(seed=len(method)))
+    drafted = plain_steps = 0
+    for seed in SEEDS:
+        plain = llm.generate(_prompt(seed), _greedy(), method="none")[0]
+        spec = llm.generate(_prompt(seed), _greedy(), method=method, num_speculative_tokens=6)[0]
+        assert spec.token_ids == plain.token_ids, (method, seed)
+        drafted += spec.stats.draft_tokens
+        plain_steps += spec.stats.plain_steps
+    assert drafted > 0
+    assert plain_steps > 0 or not llm.drafter(method).adapts_length  # K = 0 was drawn too
+
+
 @pytest.fixture(scope="module")
 def int8_llm(tiny_pair, tiny_pair_heads):
     target, draft = tiny_pair
@@ -88,7 +103,7 @@ def test_int8_target_needs_float32(tiny_pair):
 
 
 def test_some_drafts_are_rejected_and_some_accepted(llm):
-    stats = [llm.generate(_prompt(s), _greedy(), method="draft_model", num_speculative_tokens=4)[0].stats
+    stats = [llm.generate(_prompt(s), _greedy(), method="draft_model", num_speculative_tokens=4, adaptive=False)[0].stats
              for s in SEEDS]
     assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.draft_tokens for s in stats)
 

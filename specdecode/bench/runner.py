@@ -366,6 +366,7 @@ def make_row(prompt: Prompt, turn: int, contestant: Contestant, rep: int, out: G
         "tpot_s": s.tpot_s if s.ttft_s > 0 else None,
         "target_steps": s.target_steps if ours else None,
         "plain_steps": s.plain_steps if speculative else None,  # steps the policy drafted nothing
+        "free_drafts": s.free_drafts if speculative else None,  # drafts copied from a context match
         "draft_s": s.draft_s if speculative else None, "verify_s": s.verify_s if ours else None,
         "drafts": s.drafts if speculative else None,
         "draft_tokens": s.draft_tokens if speculative else None,

@@ -149,8 +149,10 @@ class Batch:
                 out.events.append((m, gen.commit(rows, forward_s)))
                 if not gen.forced_step and m in sources:
                     work, source = works.get(m), sources[m]
-                    step.requests.append(RequestOutcome(source, gen.speculation_for(source), gen.proposal.depth,
-                                                        gen.accepted, work.seconds - work.catch_up_s if work else 0.0))
+                    step.requests.append(RequestOutcome(source.name, gen.speculation_for(source.name),
+                                                        gen.proposal.depth, gen.accepted,
+                                                        work.seconds - work.catch_up_s if work else 0.0))
+                    gen.stats.free_drafts += bool(gen.proposal.k) and source.cost_prior == 0
                 if gen.finished:
                     out.events.append((m, gen.finish()))
                     self._leave(m, out)
@@ -168,10 +170,10 @@ class Batch:
                                          captures=[m.gen.capture for m, _ in batch])
 
     def _draft(self, decoding: list[Member], running: int, out: StepOutcome
-               ) -> tuple[dict[Member, DraftProposal], dict[Member, DraftWork], dict[Member, str]]:
+               ) -> tuple[dict[Member, DraftProposal], dict[Member, DraftWork], dict[Member, DraftSource]]:
         """This step's drafts for ``decoding``, from the sources and at the lengths the policy
         chose: the proposals, each drafting request's work (its times and catch-ups) and the
-        name of the source each drafting request used."""
+        source the policy picked for each request that had one."""
         drafting = [m for m in decoding if m.gen.drafts]
         options = [[(source, _draft_request(m.gen, source)) for source in m.gen.drafter.sources(m.gen.seq)]
                    for m in drafting]
@@ -182,9 +184,9 @@ class Batch:
         ks = self.policy.draft_lengths([r for _, r in chosen], running, self.cap) if chosen else []
         self.last_k = max(ks, default=0)
         works: dict[Member, DraftWork] = {}
-        names: dict[Member, str] = {}
+        picked: dict[Member, DraftSource] = {}
         for m, (source, _), k in zip(members, chosen, ks):
-            names[m] = source.name
+            picked[m] = source
             if k > 0:
                 works[m] = DraftWork(source.draft(m.gen.seq, k))
         draft_all(list(works.values()))
@@ -194,7 +196,7 @@ class Batch:
                 self._leave(m, out, work.error)
             else:
                 proposals[m] = work.proposal
-        return proposals, works, names
+        return proposals, works, picked
 
 
 def _draft_request(gen: Generation, source: DraftSource) -> DraftRequest:

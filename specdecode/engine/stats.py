@@ -19,6 +19,7 @@ class RequestStats:
     accepted_tokens: int = 0
     target_steps: int = 0  # target forwards after prefill (verify or plain)
     plain_steps: int = 0  # of those, steps that verified no draft (the policy judged drafts would not pay)
+    free_drafts: int = 0  # drafts (steps) taken from a free source: a copy from a context match
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
