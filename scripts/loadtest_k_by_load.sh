@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The load test of docs/SERVING.md ("Load test"): plain decoding, the draft model at the server's K,
-# a fixed K-by-load table and `--k-by-load auto`, one server at a time on the default pair, each
-# measured by the same load test. Writes bench-results/loadtest/<name>.json and prints a summary.
+# The load test of docs/SERVING.md ("Load test"): plain decoding, the default server (method
+# combined), the draft model at the server's K, a fixed K-by-load table and `--k-by-load auto`, one
+# server at a time on the default pair, each measured by the same load test. Writes bench-results/loadtest/<name>.json and prints a summary.
 # Keep the machine quiet while it runs (about 4 minutes a server on 2 cores).
 #
-#   scripts/loadtest_k_by_load.sh [SERVER ...]   # none, draft_model, table, auto (default: all four, in that order)
+#   scripts/loadtest_k_by_load.sh [SERVER ...]   # none, default, draft_model, table, auto (default: all, in that order)
 #   PORT=8011 (default) picks the port.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,14 +33,15 @@ run() {  # name, then the serve flags
 }
 
 SERVERS=("$@")
-[ ${#SERVERS[@]} -gt 0 ] || SERVERS=(none draft_model table auto)
+[ ${#SERVERS[@]} -gt 0 ] || SERVERS=(none default draft_model table auto)
 for name in "${SERVERS[@]}"; do
     case $name in
         none) run none --method none ;;
+        default) run default ;;
         draft_model) run draft_model --method draft_model ;;
         table) run table --method draft_model --k-by-load 1-2:12,3-4:6,5-:0 ;;
         auto) run auto --method draft_model --k-by-load auto ;;
-        *) echo "unknown server $name (none, draft_model, table, auto)" >&2; exit 2 ;;
+        *) echo "unknown server $name (none, default, draft_model, table, auto)" >&2; exit 2 ;;
     esac
 done
 "$BIN/python" - "$OUT" "${SERVERS[@]}" <<'EOF'
