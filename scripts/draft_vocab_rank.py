@@ -33,7 +33,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specdecode import LLM, SamplingParams
-from specdecode.bench.workloads import WORKLOAD_NAMES, Prompt, limit_per_category, load_workloads
+from specdecode.bench.workloads import (WORKLOAD_NAMES, Prompt, limit_per_category, load_workloads,
+                                        parse_workload_names)
 from specdecode.drafters.draft_vocab import RANKING_PATH, VocabRanking, rank_tokens, save_ranking, special_ids
 from specdecode.index.fingerprint import tokenizer_fingerprint
 from specdecode.models.catalog import resolve_model
@@ -129,6 +130,7 @@ def main() -> None:
     p.add_argument("--method", default="draft_model", help="how the answers are generated (greedy: always exact)")
     p.add_argument("--prompts", choices=("calibration", "bench"), default="calibration")
     p.add_argument("--limit", type=int, default=BENCH_LIMIT, help="--prompts bench: prompts per workload")
+    p.add_argument("--workload", default="all", help="--prompts bench: comma-separated workloads (default: all)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--out", type=Path, default=RANKING_PATH, help="the ranking file (--prompts calibration)")
     p.add_argument("--answers", type=Path, default=None, help="also write the answers as results.jsonl rows")
@@ -145,7 +147,7 @@ def main() -> None:
         vocab_size = ModelConfig.from_dir(resolve_model(args.model)).vocab_size
     else:
         prompts = (calibration_prompts() if args.prompts == "calibration"
-                   else limit_per_category(load_workloads(list(WORKLOAD_NAMES)), args.limit))
+                   else limit_per_category(load_workloads(parse_workload_names(args.workload)), args.limit))
         llm = LLM(args.model, draft=args.draft, method=args.method, draft_vocab=0, max_seq_len=4096)
         rows = answer(llm, prompts, args.max_tokens, args.answers)
         tokenizer, vocab_size = llm.tokenizer, llm.target.config.vocab_size
