@@ -30,9 +30,9 @@ DRAFT_QUANTIZE_CHOICES = (*DRAFT_MODES, "none")
 DEFAULT_DRAFT_QUANTIZE = "int4"
 # The draft model's LM head computes the logits of this many tokens, the most frequent in text the
 # target writes (``drafters/draft_vocab.py``), when the shipped ranking matches its tokenizer:
-# the best expected speed of N in {8k, 16k, 32k, 64k, whole} by measured agreement and draft
-# step time (docs/PERFORMANCE.md, "Design choices and their measurements").
-DEFAULT_DRAFT_VOCAB = 32768
+# the best expected speed of N in {8k, 16k, 32k, 64k, whole} from the measured agreement and the
+# head's share of a draft step (docs/PERFORMANCE.md, "The draft's vocabulary").
+DEFAULT_DRAFT_VOCAB = 65536
 DEFAULT_DTYPE = "float32"
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}  # the draft a method uses unless told
