@@ -197,3 +197,14 @@ def test_the_shipped_ranking_is_for_qwen2_5():
     data = json.loads(RANKING_PATH.read_text())
     assert ranking.vocab_size == 151936 and len(ranking.ranked) > 1000 and RANKING_PATH.stat().st_size < 300_000
     assert {151643, 151645} <= set(ranking.ranked[:30]) and "calibration prompts" in data["source"]
+
+
+def test_draft_vocab_flag():
+    import argparse
+
+    from specdecode.cli.options import draft_vocab_arg
+
+    assert draft_vocab_arg("full") == 0 and draft_vocab_arg("auto") is None and draft_vocab_arg("4096") == 4096
+    for bad in ("-3", "many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            draft_vocab_arg(bad)
