@@ -5,7 +5,14 @@ This agreement is the draft's per-token acceptance under greedy verification, me
 minute without timing noise, so quantization schemes can be compared before a bench run. Every
 position of each first-turn answer counts, with the chat-rendered prompt as context.
 
+With ``--vocab``, the agreement of a draft whose LM head keeps only the N top-ranked tokens of
+the shipped ranking (``drafters/draft_vocab.py``) is computed for each N from the same forward:
+the restricted logits are the full logits' columns at the kept ids (tests/test_draft_vocab.py),
+so the restricted argmax is the argmax over those columns. Measure it on answers the ranking was
+not calibrated on (``scripts/draft_vocab_rank.py --prompts bench`` writes such rows).
+
     python scripts/draft_agreement.py bench-results/s11-all/results.jsonl --quantize int8,int4
+    python scripts/draft_agreement.py held_out.jsonl --quantize int4 --vocab 8192,16384,32768,65536,full
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdecode.bench.workloads import WORKLOAD_NAMES, load_workloads
+from specdecode.drafters.draft_vocab import load_ranking
 from specdecode.models import draft_quant
 from specdecode.models.catalog import resolve_model
 from specdecode.models.decoder import Decoder
@@ -28,7 +36,10 @@ def main() -> None:
     p.add_argument("results", type=Path, help="a bench's results.jsonl with rows of method none")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--quantize", default="int8,int4", help="comma-separated: none, int8, int4")
+    p.add_argument("--vocab", default="full", help="comma-separated head sizes N (full: the whole head)")
     args = p.parse_args()
+    sizes = [s.strip() for s in args.vocab.split(",")]
+    kept = {s: None if s == "full" else load_ranking().top(int(s)) for s in sizes}
     rows = [json.loads(line) for line in args.results.read_text().splitlines()]
     answers = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == "none" and r["turn"] == 0}
     prompts = {pr.id: pr for pr in load_workloads(list(WORKLOAD_NAMES)) if pr.id in answers}
@@ -37,20 +48,31 @@ def main() -> None:
     draft_quant.INT4_MAX_ROWS = 1 << 30  # teacher forcing feeds whole answers: keep them on the int4 kernel
     for mode in args.quantize.split(","):
         model = Decoder.from_dir(path, role="draft", quantize=None if mode == "none" else mode)
-        hits = total = 0
+        hits = {s: 0 for s in sizes}
+        covered = {s: 0 for s in sizes}  # the target's token is in the head
+        total = 0
         per_category: dict[str, list[int]] = {}
         for pid, answer in answers.items():
             context = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompts[pid].turns[0]}]))
             cache = model.new_cache(len(context) + len(answer) + 8)
             model.forward(torch.tensor(context[:-1]), cache, last_only=True)
             logits = model.forward(torch.tensor(context[-1:] + answer[:-1]), cache)
-            agree = int((logits.argmax(-1) == torch.tensor(answer)).sum())
-            slot = per_category.setdefault(prompts[pid].category, [0, 0])
-            slot[0] += agree
-            slot[1] += len(answer)
-            hits, total = hits + agree, total + len(answer)
+            truth = torch.tensor(answer)
+            for s, ids in kept.items():
+                guess = logits.argmax(-1) if ids is None else ids[logits[:, ids].argmax(-1)]
+                agree = int((guess == truth).sum())
+                hits[s] += agree
+                covered[s] += len(answer) if ids is None else int(torch.isin(truth, ids).sum())
+                if s == sizes[-1]:
+                    slot = per_category.setdefault(prompts[pid].category, [0, 0])
+                    slot[0] += agree
+                    slot[1] += len(answer)
+            total += len(answer)
+        for s in sizes:
+            print(f"{mode} vocab {s}: agreement {hits[s] / total:.2%} of {total} tokens, "
+                  f"target token in the head {covered[s] / total:.2%}")
         cats = ", ".join(f"{c} {h / n:.1%}" for c, (h, n) in per_category.items())
-        print(f"{mode}: {hits / total:.1%} of {total} tokens ({cats})")
+        print(f"{mode} vocab {sizes[-1]} by category: {cats}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@ measurement behind that choice (docs/PERFORMANCE.md). Both paths run in one proc
 
     python scripts/draft_step.py --rows 1,2,5
     python scripts/draft_step.py --quantize int4 --rows 1,2
+
+With ``--vocab``, it instead times the draft with its whole LM head against the same draft with
+the head restricted to the N top-ranked tokens (``Decoder.restrict_vocabulary``), for each N,
+alternating in one process:
+
+    python scripts/draft_step.py --quantize int4 --rows 1 --vocab 8192,16384,32768,65536
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import time
 
 import torch
 
+from specdecode.drafters.draft_vocab import load_ranking
+from specdecode.models.cache import KVCache
 from specdecode.models.catalog import resolve_model
 from specdecode.models.backends import TorchLayers
 from specdecode.models.decoder import Decoder
@@ -28,11 +36,15 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300, help="tokens in the cache before timing")
     p.add_argument("--rows", default="1,2,5")
     p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--vocab", default=None, help="comma-separated head sizes N to time against the whole head")
     args = p.parse_args()
     model = Decoder.from_dir(resolve_model(args.draft), role="draft",
                              quantize=None if args.quantize == "none" else args.quantize)
     cache = model.new_cache(args.context + 64)
     model.forward(torch.randint(0, 1000, (args.context,)), cache, last_only=True)
+    if args.vocab is not None:
+        time_heads(model, cache, [int(n) for n in args.vocab.split(",")], args.rows, args.repeat)
+        return
 
     if model.backend.fused is not None:  # int4: the native whole forward against torch's fast path
         names, slow = ("native forward", "torch layers"), model.with_backend(model.backend.layered())
@@ -54,6 +66,23 @@ def main() -> None:
                 times[fast].append(step(rows, fast))
         fast_ms, exact_ms = (sorted(times[f])[args.repeat // 2] * 1e3 for f in (True, False))
         print(f"{rows} row(s): {names[0]} {fast_ms:.1f} ms, {names[1]} {exact_ms:.1f} ms")
+
+
+def time_heads(model: Decoder, cache: KVCache, sizes: list[int], rows_list: str, repeat: int) -> None:
+    """Median (and least) step time of the whole head and of each restricted head, alternating per
+    repeat; the least is the figure other processes on the machine disturb least."""
+    ranking = load_ranking()
+    heads = {"full": model} | {str(n): model.restrict_vocabulary(ranking.top(n)) for n in sizes}
+    for rows in (int(r) for r in rows_list.split(",")):
+        times: dict[str, list[float]] = {name: [] for name in heads}
+        for _ in range(repeat):
+            for name, m in heads.items():
+                start = time.perf_counter()
+                m.forward(torch.arange(rows) + 5, cache)
+                times[name].append(time.perf_counter() - start)
+                cache.trim(rows)
+        print(f"{rows} row(s), median (min): " + ", ".join(
+            f"vocab {name} {sorted(t)[repeat // 2] * 1e3:.2f} ({min(t) * 1e3:.2f}) ms" for name, t in times.items()))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, ModelSpec, SpecConfig,
-                               default_method)
+from specdecode.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFT_VOCAB, DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN,
+                               DEFAULT_MODEL, ModelSpec, SpecConfig, default_method)
 from specdecode.params import SamplingParams
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.registry import REGISTRY, DraftResources, build_drafter
+from specdecode.drafters.draft_vocab import restricted_draft
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine.engine import Engine
 from specdecode.engine.generation import GenerationOutput, StreamEvent
@@ -57,8 +58,9 @@ class LLM:
     ) -> None:
         """``spec``: any ``SpecConfig`` field (``method``: by default ``combined`` with a draft
         model, ``suffix`` without one, see ``config.default_method``; ``num_speculative_tokens``,
-        ``adaptive``, ``draft_confidence``, ``ngram_min``/``ngram_max``, ``lookahead_*``), the
-        defaults for every call; documented and validated there.
+        ``adaptive``, ``draft_confidence``, ``draft_vocab``, ``ngram_min``/``ngram_max``,
+        ``lookahead_*``), the defaults for every call; documented and validated there
+        (``draft_vocab`` applies when the draft loads).
         ``draft_quantize``: "int4" (the default) gives the draft's decode steps 4-bit weights
         and one native call per forward (on x86 CPUs with AVX2, else int8 with a warning);
         "int8" gives it int8 weights; either way exactness is unaffected. None or "none" keeps it
@@ -110,7 +112,10 @@ class LLM:
             draft_path = resolve_model(draft, progress=progress)
             self.draft_model = Decoder.from_dir(draft_path, dtype, role="draft", quantize=draft_quantize)
             self.draft_tokenizer = self._foreign_tokenizer(draft, draft_path)
-            if self.draft_tokenizer is not None:
+            if self.draft_tokenizer is None:  # the target's ids: its head may keep the frequent ones only
+                self.draft_model = restricted_draft(self.draft_model, self.spec.draft_vocab, DEFAULT_DRAFT_VOCAB,
+                                                    self.tokenizer)
+            else:
                 log.warning(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "
                             "translated through text (cross-vocabulary mode; the output is still exact)")
         self.model_name, self.draft_name, self.model_dir = model, draft, path

@@ -28,6 +28,11 @@ DEFAULT_DRAFT_CONFIDENCE = 0.5
 # present); without AVX2 int4 falls back to int8; "none" keeps the model dtype.
 DRAFT_QUANTIZE_CHOICES = (*DRAFT_MODES, "none")
 DEFAULT_DRAFT_QUANTIZE = "int4"
+# The draft model's LM head computes the logits of this many tokens, the most frequent in text the
+# target writes (``drafters/draft_vocab.py``), when the shipped ranking matches its tokenizer:
+# the best expected speed of N in {8k, 16k, 32k, 64k, whole} from the measured agreement and the
+# head's share of a draft step (docs/PERFORMANCE.md, "The draft's vocabulary").
+DEFAULT_DRAFT_VOCAB = 65536
 DEFAULT_DTYPE = "float32"
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}  # the draft a method uses unless told
@@ -58,6 +63,11 @@ class SpecConfig:
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
     """A draft model stops drafting once its probability for the draft so far (the product of
     its token probabilities) falls below this; 0 never stops early."""
+    draft_vocab: int | None = None
+    """A draft model's LM head computes only the logits of this many tokens, those the target
+    writes most (the shipped ranking; exactness is unaffected): 0 is the whole head, None the
+    default (``DEFAULT_DRAFT_VOCAB`` when the ranking matches the draft's tokenizer, else the
+    whole head). Applied when the draft loads."""
     ngram_min: int = NGRAM_MIN
     """Shortest context suffix the n-gram drafter tries to match."""
     ngram_max: int = NGRAM_MAX
@@ -92,6 +102,8 @@ class SpecConfig:
             )
         if not 0.0 <= self.draft_confidence < 1.0:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
+        if self.draft_vocab is not None and self.draft_vocab < 0:
+            raise InvalidConfigError(f"draft_vocab must be >= 0 (0: the whole head), got {self.draft_vocab}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidConfigError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"

@@ -73,3 +73,7 @@ class CheckpointError(SpecDecodeError):
 
 class InvalidConstraintError(SpecDecodeError, ValueError):
     """A structured-output constraint that does not compile (a bad JSON schema, regex or grammar)."""
+
+
+class VocabularyRankingError(SpecDecodeError):
+    """A draft-vocabulary ranking that is unreadable, or made for another tokenizer than the draft's."""

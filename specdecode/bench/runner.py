@@ -152,7 +152,10 @@ def draft_contestants(llm: LLM, runs: Sequence[RunSpec], name: str, draft: Decod
 
 
 def load_draft(llm: LLM, name: str, draft_quantize: str | None) -> Decoder:
-    """Draft ``name`` loaded as ``LLM`` loads its own; refused unless it speaks the target's vocabulary."""
+    """Draft ``name`` loaded as ``LLM`` loads its own (its LM head restricted as ``draft_vocab``
+    says); refused unless it speaks the target's vocabulary."""
+    from specdecode.config import DEFAULT_DRAFT_VOCAB
+    from specdecode.drafters.draft_vocab import restricted_draft
     from specdecode.drafters.vocab import same_vocabulary
     from specdecode.models import draft_quant
     from specdecode.models.catalog import resolve_model
@@ -167,7 +170,7 @@ def load_draft(llm: LLM, name: str, draft_quantize: str | None) -> Decoder:
     if not same:
         raise InvalidConfigError(f"--compare-drafts {name}: its vocabulary differs from the target's; compare "
                                  "drafts of the target's own vocabulary")
-    return draft
+    return restricted_draft(draft, llm.spec.draft_vocab, DEFAULT_DRAFT_VOCAB, llm.tokenizer)
 
 
 def target_step_timer(llm: LLM, context_ids: list[int], repeats: int = 5) -> Callable[[], float]:

@@ -294,7 +294,8 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
 
         vllm_python = find_vllm_python(args.vllm_python)
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
-              draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, quantize=args.quantize,
+              draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
+              quantize=args.quantize,
               synthetic_acceptance=plan.synthetic, **method_options(args, [r.method for r in plan.runs]))
     args.quantize = llm.quantize or "none"  # what ran: reports and the reproducing command name it
     first_ids = _check_lengths(llm, plan)
@@ -445,6 +446,7 @@ def _meta(args: argparse.Namespace, plan: Plan, *, model: str, draft: str | None
             "k_schedule": getattr(args, "k_schedule", None), "draft_quantize": getattr(args, "draft_quantize", None),
             "quantize": getattr(args, "quantize", None),
             "draft_confidence": getattr(args, "draft_confidence", None),
+            "draft_vocab": getattr(args, "draft_vocab", None),
         },
     }
 

@@ -7,8 +7,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS,
-                               DRAFT_QUANTIZE_CHOICES, LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW, default_method)
+from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFT_VOCAB, DEFAULT_MODEL,
+                               DEFAULT_SPECULATIVE_TOKENS, DRAFT_QUANTIZE_CHOICES, LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM,
+                               LOOKAHEAD_WINDOW, default_method)
 from specdecode.drafters.registry import METHOD_NAMES, method_help
 
 METHOD_HELP = method_help()
@@ -48,9 +49,23 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
                         "and every method is exact with respect to the one chosen (what --method none runs)")
 
 
+def draft_vocab_arg(text: str) -> int | None:
+    """``--draft-vocab``: "auto" -> None (the default size), "full" -> 0 (the whole head), else N >= 0."""
+    word = text.strip().lower()
+    if word in ("auto", "full"):
+        return None if word == "auto" else 0
+    try:
+        size = int(word)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count, full or auto, got {text!r}") from None
+    if size < 0:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0, got {size}")
+    return size
+
+
 def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
-    """How the draft model drafts: ``--draft-quantize``, ``--draft-confidence`` and (unless the
-    command has its own K schedule) ``--fixed-k``."""
+    """How the draft model drafts: ``--draft-quantize``, ``--draft-confidence``, ``--draft-vocab``
+    and (unless the command has its own K schedule) ``--fixed-k``."""
     if fixed_k:
         p.add_argument("--fixed-k", action="store_true",
                        help="draft up to K every step instead of the length the speculation policy picks "
@@ -66,6 +81,11 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
                         "(the --dtype; trained heads too, which draft in 4 bits otherwise); the output stays "
                         "exactly the target's either way "
                         "(default: %(default)s)")
+    p.add_argument("--draft-vocab", type=draft_vocab_arg, default=None, metavar="N",
+                   help="draft model: its LM head computes the logits of only the N tokens the target writes most "
+                        f"(a ranking shipped for the Qwen2.5 tokenizer); full (or 0) keeps the whole head; auto (the "
+                        f"default) is {DEFAULT_DRAFT_VOCAB} when the ranking matches the draft's tokenizer, else "
+                        "full. The output stays exactly the target's")
 
 
 def add_method_options(p: argparse.ArgumentParser) -> None:

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     method = chosen_method(args)
     llm = LLM(model=args.model, draft=args.draft, method=method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
-              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, quantize=args.quantize,
+              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
+              quantize=args.quantize,
               **method_options(args, [method]))
     scheduler = Scheduler(llm, method=method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue, k_by_load=parse_k_by_load(args.k_by_load))

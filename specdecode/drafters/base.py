@@ -93,13 +93,15 @@ def run_alone(drafting: Drafting) -> DraftProposal:
 
 
 def pick_from_subvocabulary(logits: Tensor, target_ids: Tensor, vocab_size: int, seq: SequenceState,
-                            need_prob: bool) -> tuple[int, Tensor | None, float]:
-    """One draft token from a trained head's logits over its own vocabulary ``target_ids`` (the
-    target ids of its entries): the argmax for a greedy request, else a sample under the
-    request's rule from the head's distribution spread over the target vocabulary (zero
-    elsewhere), which the exact rejection rule needs. Returns the target id, that distribution
-    (None when greedy) and the token's probability (1.0 when greedy and not ``need_prob``)."""
-    if seq.params.greedy:
+                            need_prob: bool, argmax: bool | None = None) -> tuple[int, Tensor | None, float]:
+    """One draft token from logits over a subset of the target vocabulary (a trained head's own
+    vocabulary, or a draft model's restricted LM head), ``target_ids`` the target id of each
+    entry: the argmax when ``argmax`` (default: the request is greedy), else a sample under the
+    request's rule from the distribution renormalised over the subset and spread over the target
+    vocabulary (zero elsewhere), which the exact rejection rule needs. Returns the target id, that
+    distribution (None for an argmax) and the token's probability (1.0 for an argmax unless
+    ``need_prob``)."""
+    if seq.params.greedy if argmax is None else argmax:
         choice = int(logits.argmax())
         p_token = float(torch.softmax(logits, -1)[choice]) if need_prob else 1.0
         return int(target_ids[choice]), None, p_token

@@ -12,6 +12,11 @@ The draft keeps its own KV cache. It caches every committed token it has been fe
 accepted draft also the last draft token) in one forward, then drafts one token per forward.
 Rejected drafts are rolled back with ``cache.trim``.
 
+A draft whose LM head is restricted to a subset of the vocabulary (``Decoder.restrict_vocabulary``)
+drafts from that subset: its argmax, or a sample from its distribution renormalised over the
+subset (``pick_from_subvocabulary``), which the exact rejection rule accepts like any other draft
+distribution; a grammar's mask is read at the subset's ids.
+
 Drafting is a coroutine of model calls (``Drafter.drafting``): in a batch of requests, the step
 loop runs every request's call of one draft step as one forward (``Decoder.forward_batch``), so
 the draft's weights are read once per draft step rather than once per request.
@@ -26,7 +31,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from specdecode.drafters.base import CATCH_UP_TOKENS, Drafter, Drafting, ModelCall, run_alone
+from specdecode.drafters.base import (CATCH_UP_TOKENS, Drafter, Drafting, ModelCall, pick_from_subvocabulary,
+                                      run_alone)
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.errors import VocabularyMismatchError
 from specdecode.models.decoder import Decoder
@@ -39,12 +45,14 @@ class DraftModelDrafter(Drafter):
     draft_cost_prior: ClassVar[float] = 0.4  # a 0.5B draft's step against the 1.5B target's
 
     def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int, confidence: float = 0.0) -> None:
+        # The draft's full vocabulary, even when its head computes only part of it.
         if draft.config.vocab_size != target_vocab_size:
             raise VocabularyMismatchError(
                 f"draft vocabulary has {draft.config.vocab_size} tokens but the target has "
                 f"{target_vocab_size}; the draft model must share the target's tokenizer"
             )
         self.model = draft
+        self.vocab_size = target_vocab_size
         self.confidence = confidence
         self.cache = draft.new_cache(capacity)
         self._cached = 0  # committed tokens held in the draft cache
@@ -73,6 +81,11 @@ class DraftModelDrafter(Drafter):
             if not run.take(logits):
                 return run.proposal()
             logits = yield ModelCall(self.model, run.tokens[-1], self.cache)
+
+    def token_id(self, column: int) -> int:
+        """The token id of column ``column`` of the draft's logits."""
+        ids = self.model.vocab_ids
+        return column if ids is None else int(ids[column])
 
     def catch_up(self, seq: SequenceState) -> int:
         # Up to CATCH_UP_TOKENS tokens ride a step's first draft forward, shared in a batch;
@@ -113,15 +126,27 @@ class _DraftRun:
         return pending
 
     def take(self, logits: Tensor) -> bool:
-        """Pick the next draft from the draft's logits [1, V]; True when another one is wanted
-        (its forward is then due on ``tokens[-1]``). Under structured output the draft picks only
-        among the tokens the grammar allows after its drafts so far."""
-        grammar = self.seq.grammar
+        """Pick the next draft from the draft's logits [1, V] (V: its head's columns); True when
+        another one is wanted (its forward is then due on ``tokens[-1]``). Under structured output
+        the draft picks only among the tokens the grammar allows after its drafts so far, and
+        stops when its head has none of them."""
+        grammar, ids = self.seq.grammar, self.drafter.model.vocab_ids
         if grammar is not None:
-            logits = apply_mask(logits, grammar.mask_after([int(t) for t in self.tokens]).unsqueeze(0))
-        if self.argmax:
+            allowed = grammar.mask_after([int(t) for t in self.tokens])
+            allowed = allowed if ids is None else allowed[ids]
+            if not bool(allowed.any()):
+                return False
+            logits = apply_mask(logits, allowed.unsqueeze(0))
+        need_prob = self.drafter.confidence > 0
+        if ids is not None:
+            choice, p, p_token = pick_from_subvocabulary(logits[0], ids, self.drafter.vocab_size, self.seq, need_prob,
+                                                         argmax=self.argmax)
+            token = torch.tensor([choice])
+            if p is not None:
+                self.probs.append(p)
+        elif self.argmax:
             token = greedy(logits)
-            p_token = 1.0 if self.drafter.confidence <= 0 else float(torch.softmax(logits[0], -1)[token])
+            p_token = float(torch.softmax(logits[0], -1)[token]) if need_prob else 1.0
         else:
             p = logits_to_probs(logits, self.seq.params)
             token = sample(p, self.seq.generator)
@@ -133,4 +158,6 @@ class _DraftRun:
         return len(self.tokens) < self.k and self.cumulative >= self.drafter.confidence and not ends
 
     def proposal(self) -> DraftProposal:
+        if not self.tokens:
+            return EMPTY_PROPOSAL
         return DraftProposal(torch.cat(self.tokens), torch.stack(self.probs) if self.probs else None)

@@ -83,11 +83,12 @@ class TreeDrafter(Drafter):
     def drafting(self, seq: SequenceState, k: int) -> Drafting:
         seconds: list[int] = []
 
-        def second_choice(logits: Tensor) -> None:  # [1, V]
+        def second_choice(logits: Tensor) -> None:  # [1, V], V: the draft head's columns
             if len(seconds) < self.branch_positions:
                 top = torch.softmax(logits[0], -1).topk(2)
                 # A sure draft's runner-up is rarely right: no row for it (-1: no sibling here).
-                seconds.append(int(top.indices[1]) if float(top.values[0]) < self.sibling_below else -1)
+                sure = float(top.values[0]) >= self.sibling_below
+                seconds.append(-1 if sure else self.draft.token_id(int(top.indices[1])))
 
         chain = (yield from self.draft.drafting(seq, k, argmax=True, on_step=second_choice)).tokens.tolist()
         self._chain, self._committed = chain, len(seq.token_ids)

@@ -67,6 +67,12 @@ class Backend(ABC):
         the two)."""
         return self
 
+    def rebuilt(self, config: ModelConfig, weights: DecoderWeights) -> "Backend":
+        """This backend for ``weights``, of the same form as those it was built for but with some
+        matrix replaced (a restricted LM head): a fused forward, which holds its weights, is
+        built again over them; a backend that reads the weights per call is itself."""
+        return self
+
     @abstractmethod
     def norm_linear(self, linear: Linear, x: Tensor, norm: Tensor, w: LinearWeight) -> Tensor:
         """RMS norm of ``x`` with weights ``norm``, then ``linear``."""
@@ -156,6 +162,9 @@ class DraftQuantBackend(TorchLayers):
 
     def layered(self) -> "DraftQuantBackend":
         return DraftQuantBackend(self.eps, None)
+
+    def rebuilt(self, config: ModelConfig, weights: DecoderWeights) -> "DraftQuantBackend":
+        return self if self.fused is None else DraftQuantBackend(self.eps, fused_int4_draft(config, weights))
 
 
 class GGUFBackend(Backend):

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from specdecode.models.cache import KVCache
 from specdecode.errors import InvalidConfigError
-from specdecode.models import backends, draft_quant, kernels
+from specdecode.models import backends, draft_quant, kernels, vocab_head
 from specdecode.models.backends import Backend, Linear, Role
 from specdecode.models.config import DTYPES as DTYPE_NAMES, ModelConfig
 from specdecode.models.gguf_convert import MARKER_NAME, gguf_sources, write_float_weights
@@ -67,6 +67,7 @@ class Decoder:
         self.norm = weights.norm  # [D]
         self.layers = weights.layers
         self.cos, self.sin = weights.cos, weights.sin
+        self.vocab_ids: Tensor | None = None  # [N] the token id of each logit column; None: every token
 
     @classmethod
     def build(cls, config: ModelConfig, packed: Packed, dtype: torch.dtype, role: Role = "target",
@@ -127,6 +128,21 @@ class Decoder:
         view.backend = backend
         return view
 
+    def restrict_vocabulary(self, ids: Tensor) -> "Decoder":
+        """A view of this decoder (every other tensor shared) whose logits are the columns ``ids``
+        [N] of the full logits, computed from those rows of the LM head only, in the head's own
+        form (see ``vocab_head.py``); ``vocab_ids`` maps each column back to its token id.
+        ``config.vocab_size`` stays the full vocabulary's, and the embedding stays whole."""
+        ids = vocab_head.check_ids(ids, self.config.vocab_size)
+        if self.vocab_ids is not None:
+            raise InvalidConfigError("this decoder's vocabulary is already restricted; restrict the full decoder")
+        weights = DecoderWeights(self.dtype, self.embed, vocab_head.restrict_rows(self.lm_head, ids), self.norm,
+                                 self.layers, self.cos, self.sin)
+        view = copy.copy(self)
+        view.lm_head, view.vocab_ids = weights.lm_head, ids
+        view.backend = self.backend.rebuilt(self.config, weights)
+        return view
+
     @property
     def role(self) -> Role:
         return self.backend.role
@@ -143,7 +159,8 @@ class Decoder:
 
     def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = False,
                 tree: Sequence[int] | None = None, capture: HiddenCapture | None = None) -> Tensor:
-        """Run ``tokens`` [N] at the next N cache slots; return logits [N, V] (or [1, V]).
+        """Run ``tokens`` [N] at the next N cache slots; return logits [N, V] (or [1, V]); V is
+        ``len(vocab_ids)`` for a restricted vocabulary.
 
         Row i attends to every cached token and to rows 0..i (causal). The cache length grows by N.
         With ``tree`` (row i's parent row, -1 for row 0), row i attends to the cache and its own

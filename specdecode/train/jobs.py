@@ -234,7 +234,8 @@ def train_distill(opts: TrainOptions, *, draft: str | None, rank: int, temperatu
     draft = draft or DEFAULT_DRAFTS.get(opts.model)
     if draft is None:
         raise InvalidConfigError(f"no default draft for {opts.model!r}: pass --draft")
-    llm = LLM(opts.model, draft=draft, max_seq_len=8192, progress=opts.progress)
+    llm = LLM(opts.model, draft=draft, max_seq_len=8192, progress=opts.progress,
+              draft_vocab=0)  # distillation trains and scores the draft's whole head
     if llm.draft_tokenizer is not None:
         raise InvalidConfigError(f"--draft {draft} has another vocabulary than {opts.model}: DistillSpec needs a "
                                  "draft that speaks the target's tokens")
