@@ -423,25 +423,38 @@ void rope(float* v, const float* cos, const float* sin, int64_t d) {
 }
 
 // Softmax attention of one query q over keys/values 0..len-1 (rows of d, a multiple of 8) into o;
-// p: scratch of len rounded up to 8 floats.
+// p: scratch of len rounded up to 8 floats. Each score is one FMA chain over d and each output one
+// chain over the keys; several run at once only to hide the FMA latency.
 void attend(const float* q, const float* k, const float* v, int64_t len, int64_t d, float scale, float* p, float* o) {
     using namespace lanes;
+    constexpr int KEYS = 4;  // scores at a time
     float top = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) {
-        V8 acc = splat(0.f);
-        for (int64_t c = 0; c < d; c += 8) acc = fma(load(q + c), load(k + t * d + c), acc);
-        p[t] = reduce8(acc) * scale;
-        top = std::max(top, p[t]);
+    for (int64_t t0 = 0; t0 < len; t0 += KEYS) {
+        const int64_t keys = std::min<int64_t>(KEYS, len - t0);
+        V8 acc[KEYS];
+        for (int j = 0; j < KEYS; ++j) acc[j] = splat(0.f);
+        for (int64_t c = 0; c < d; c += 8) {
+            const V8 qc = load(q + c);
+            for (int j = 0; j < keys; ++j) acc[j] = fma(qc, load(k + (t0 + j) * d + c), acc[j]);
+        }
+        for (int j = 0; j < keys; ++j) top = std::max(top, p[t0 + j] = reduce8(acc[j]) * scale);
     }
     const int64_t padded = (len + 7) / 8 * 8;
     std::fill(p + len, p + padded, top);
     for (int64_t t = 0; t < padded; t += 8) store(p + t, exp8(sub(load(p + t), splat(top))));
     float sum = 0.f;
     for (int64_t t = 0; t < len; ++t) sum += p[t];
-    std::fill_n(o, d, 0.f);
-    for (int64_t t = 0; t < len; ++t) {
-        const V8 w = splat(p[t] / sum);
-        for (int64_t c = 0; c < d; c += 8) store(o + c, fma(w, load(v + t * d + c), load(o + c)));
+    for (int64_t t = 0; t < len; ++t) p[t] /= sum;
+    constexpr int64_t SPAN = 64;  // outputs at a time: 8 registers
+    for (int64_t c0 = 0; c0 < d; c0 += SPAN) {
+        const int64_t regs = std::min(SPAN, d - c0) / 8;
+        V8 acc[SPAN / 8];
+        for (int j = 0; j < SPAN / 8; ++j) acc[j] = splat(0.f);
+        for (int64_t t = 0; t < len; ++t) {
+            const V8 w = splat(p[t]);
+            for (int64_t j = 0; j < regs; ++j) acc[j] = fma(w, load(v + t * d + c0 + 8 * j), acc[j]);
+        }
+        for (int64_t j = 0; j < regs; ++j) store(o + c0 + 8 * j, acc[j]);
     }
 }
 
