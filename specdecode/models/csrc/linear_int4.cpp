@@ -194,6 +194,10 @@ struct Weight {
 
 constexpr int64_t TILE = 16;  // outputs per tile: one AVX-512 register of int32 lanes, two AVX2 ones
 constexpr int64_t MAX_ROWS = 8;  // rows per call: draft_quant.INT4_MAX_ROWS
+// Software prefetch into L2, bytes ahead in a thread's stream of tiles: one prefetch per 64-byte
+// block read. Into L2 rather than L1 and 6 KB ahead was the fastest tried (T0 at 1-3 KB, T1 at
+// 3-24 KB): ``scripts/draft_step.py`` one-row steps.
+constexpr int64_t TILE_PF = 6144;
 
 struct Tiled {
     torch::Tensor buf;  // uint8 [tiles * tile_bytes]
@@ -304,7 +308,7 @@ inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_
         }
         const uint8_t* qg = q + g * 512;
         for (int b = 0; b < 8; ++b) {
-            _mm_prefetch(reinterpret_cast<const char*>(qg + 64 * b + PF), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(qg + 64 * b + TILE_PF), _MM_HINT_T1);
             const __m512i v = _mm512_load_si512(qg + 64 * b);
             const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
             for (int r = 0; r < R; ++r) {
@@ -341,7 +345,7 @@ inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_
             for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
             for (int b = 4 * h; b < 4 * h + 4; ++b) {
                 const uint8_t* p = q + g * 512 + 64 * b;
-                if (part == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PF), _MM_HINT_T0);
+                if (part == 0) _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF), _MM_HINT_T1);
                 const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
                 const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                 for (int r = 0; r < R; ++r) {
