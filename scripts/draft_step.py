@@ -7,6 +7,7 @@ measurement behind that choice (docs/PERFORMANCE.md). Both paths run in one proc
 
     python scripts/draft_step.py --rows 1,2,5
     python scripts/draft_step.py --quantize int4 --rows 1,2
+    python scripts/draft_step.py --quantize int4 --rows 1,2,5 --target qwen2.5-coder-1.5b-instruct
 
 With ``--vocab``, it instead times the draft with its whole LM head against the same draft with
 the head restricted to the N top-ranked tokens (``Decoder.restrict_vocabulary``), for each N,
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,5")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--vocab", default=None, help="comma-separated head sizes N to time against the whole head")
+    p.add_argument("--target", help="also time one step of this target (its GGUF run natively)")
     args = p.parse_args()
     model = Decoder.from_dir(resolve_model(args.draft), role="draft",
                              quantize=None if args.quantize == "none" else args.quantize)
@@ -52,6 +54,19 @@ def main() -> None:
         invariant = TorchLayers("target", model.config.rms_norm_eps, model.backend.linear)
         names, slow = ("fast path", "invariant path"), model.with_backend(invariant)
 
+    target_step = None
+    if args.target:
+        target = Decoder.from_dir(resolve_model(args.target), quantize="native")
+        target_cache = target.new_cache(args.context + 8)
+        target.forward(torch.randint(0, 1000, (args.context,)), target_cache, last_only=True)
+
+        def target_step() -> float:
+            start = time.perf_counter()
+            target.forward(torch.tensor([5]), target_cache)
+            elapsed = time.perf_counter() - start
+            target_cache.trim(1)
+            return elapsed
+
     def step(rows: int, fast: bool) -> float:
         start = time.perf_counter()
         (model if fast else slow).forward(torch.arange(rows) + 5, cache)
@@ -60,12 +75,18 @@ def main() -> None:
         return elapsed
 
     for rows in (int(r) for r in args.rows.split(",")):
-        times: dict[bool, list[float]] = {True: [], False: []}
+        times: dict[bool | None, list[float]] = {True: [], False: [], None: []}
         for _ in range(args.repeat):
             for fast in (True, False):
                 times[fast].append(step(rows, fast))
+            if target_step is not None:
+                times[None].append(target_step())
         fast_ms, exact_ms = (sorted(times[f])[args.repeat // 2] * 1e3 for f in (True, False))
-        print(f"{rows} row(s): {names[0]} {fast_ms:.1f} ms, {names[1]} {exact_ms:.1f} ms")
+        line = f"{rows} row(s): {names[0]} {fast_ms:.1f} ms, {names[1]} {exact_ms:.1f} ms"
+        if target_step is not None:
+            target_ms = sorted(times[None])[args.repeat // 2] * 1e3
+            line += f"; target step {target_ms:.1f} ms: {names[0]} = {fast_ms / target_ms:.2f}x"
+        print(line)
 
 
 def time_heads(model: Decoder, cache: KVCache, sizes: list[int], rows_list: str, repeat: int) -> None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.models import draft_heads, draft_quant
+from specdecode.models import draft_heads, draft_quant, kernel_build
+from specdecode.models.int4_forward import fused_int4_draft
 from specdecode.models.int8_rows import Int8Rows
 from specdecode.models.decoder import Decoder
+from specdecode.models.weights import DecoderWeights
 from tests.conftest import make_tiny_model
 
 
@@ -95,3 +97,65 @@ def test_an_int4_draft_from_float_weights_prefills_with_float_activations(tiny_m
     x[0] *= 1000.0  # an outlier row
     want = x[1:] @ w.int8.dequantize().T
     assert _close(draft_quant.linear_draft(x, w)[1:], want, tol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(37, 128), (131, 896), (16, 4864)], ids=str)
+def test_tiled_layout_holds_every_weight(shape):
+    """``Int4Draft``'s tiles (``linear_int4_tiled`` runs one matrix through them) hold each weight
+    where the kernel reads it: 127 times the one-hot row k gives 127 times column k of the
+    dequantized weight exactly (exact int32 sums; an fp16 scale times an integer below 2^10 is
+    exact in float32), for every column and an output count off the 16-output tiles. Random rows
+    (1 to 8) agree with the dequantized product and with the row-major kernel."""
+    kernel = kernel_build.load_int4()
+    gen = torch.Generator().manual_seed(5)
+    w = draft_quant.pack_int4(torch.randn(shape, generator=gen) * 0.05)
+    assert torch.equal(w.scales, w.scales.half().float())  # fp16 values: the tiles lose nothing
+    deq = w.dequantize()
+    eye = 127.0 * torch.eye(shape[1])
+    for k in range(0, shape[1], 8):
+        got = kernel.linear_int4_tiled(eye[k : k + 8].contiguous(), w.packed, w.scales, w.offset)
+        assert torch.equal(got, 127.0 * deq[:, k : k + 8].T), k
+    for n in range(1, draft_quant.INT4_MAX_ROWS + 1):
+        x = torch.randn(n, shape[1], generator=gen)
+        got = kernel.linear_int4_tiled(x, w.packed, w.scales, w.offset)
+        # Measured: about 1% from the int8 activations; the same integers as the row-major kernel,
+        # so only float rounding (about 1e-7) apart from it.
+        assert _close(got, x @ deq.T, tol=0.02), n
+        assert _close(got, kernel.linear_int4(x, w.packed, w.scales, w.offset), tol=1e-5), n
+
+
+def _weights(model: Decoder, lm_head) -> DecoderWeights:
+    return DecoderWeights(torch.float32, model.embed, lm_head, model.norm, model.layers, model.cos, model.sin)
+
+
+def test_fused_forward_with_some_lm_head_rows_gives_their_logits(tiny_models):
+    """A draft head over a vocabulary subset (rows of the LM head's ``Int4Groups``, a count off the
+    16-output tiles) gives exactly those rows' logits: each output is computed alone."""
+    model = Decoder.from_dir(tiny_models["qwen2"], role="draft", quantize="int4")
+    head = model.lm_head
+    rows = torch.arange(0, 96, 5)  # 20 rows
+    sub = draft_quant.Int4Groups(head.packed[rows], head.scales[rows], head.offset[rows], head.int8, head.kernel)
+    fused = fused_int4_draft(model.config, _weights(model, sub))
+    prompt = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(2))
+    full_cache, sub_cache = model.new_cache(32), model.new_cache(32)
+    for start, stop in ((0, 8), (8, 11)):
+        want = model.forward(prompt[start:stop], full_cache)
+        got = fused.forward(prompt[start:stop], sub_cache.k, sub_cache.v, start, False)
+        assert got.shape == (stop - start, 20)
+        assert torch.equal(got, want[:, rows])
+
+
+def test_fused_forward_bits_do_not_depend_on_the_thread_count(tiny_models):
+    model = Decoder.from_dir(tiny_models["llama"], role="draft", quantize="int4")
+    prompt = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    out = {}
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            cache = model.new_cache(32)
+            out[count] = [model.forward(prompt[i : i + 5], cache) for i in range(0, 13, 5)]
+    finally:
+        torch.set_num_threads(threads)
+    for count in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(out[1], out[count])), count

@@ -155,12 +155,13 @@ def test_int4_kernel_builds_on_this_machine():
     assert kernel.lanes() == (16 if "-mavx512vnni" in kernel_build.int4_flags() else 8)
 
 
-def test_int4_avx2_build_matches_its_dequantized_weights(tiny_models):
+def test_int4_avx2_build_matches_its_dequantized_weights(tiny_models, tmp_path):
     """The AVX2 build (VPMADDUBSW pairs), checked in a subprocess forced to it since this
     machine's build may be the VNNI one: products against the dequantized weights for every row
     count a draft step uses; a weight of all -8 against activations of all +127 (unsigned 255),
     the largest int16 pair sums the format allows (2 x 255 x 8); and the whole-forward
-    ``Int4Draft`` of that build against the torch layers."""
+    ``Int4Draft`` of that build against the torch layers, and bit for bit against this process's
+    build (the tiled kernel's integers are exact and its floats one lane per output in both)."""
     script = """
 import sys
 import torch
@@ -182,7 +183,7 @@ x = torch.ones(3, 128)
 torch.testing.assert_close(k.linear_int4(x, low, scales, offset), torch.full((3, 5), -8.0 * 128))
 model = Decoder.from_dir(sys.argv[1], role="draft", quantize="int4")
 fused, plain = model.new_cache(64), model.new_cache(64)
-prompt = torch.randint(0, 96, (20,), generator=g)
+prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
 layered = model.with_backend(model.backend.layered())
 model.forward(prompt[:17], fused)
 layered.forward(prompt[:17], plain)
@@ -190,11 +191,24 @@ assert model.backend.fused is not None
 got = model.forward(prompt[17:], fused)
 want = layered.forward(prompt[17:], plain)
 assert (got - want).norm() <= 1e-3 * want.norm()
+solo = model.new_cache(64)  # every row through Int4Draft (a prefill's int8 rows differ by build)
+for i in range(0, 20, 8):
+    last = model.forward(prompt[i : i + 8], solo)
+torch.save(last, sys.argv[2])
 """
     env = {**os.environ, "SPECDECODE_AVX512": "0"}
-    done = subprocess.run([sys.executable, "-c", script, str(tiny_models["qwen2"])], env=env,
+    saved = tmp_path / "avx2_logits.pt"
+    done = subprocess.run([sys.executable, "-c", script, str(tiny_models["qwen2"]), str(saved)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    from specdecode.models.decoder import Decoder
+
+    model = Decoder.from_dir(tiny_models["qwen2"], role="draft", quantize="int4")
+    cache = model.new_cache(64)
+    prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
+    for i in range(0, 20, 8):
+        last = model.forward(prompt[i : i + 8], cache)
+    assert torch.equal(last, torch.load(saved))
 
 
 def test_int4_mode_falls_back_to_int8_without_the_kernel(monkeypatch):

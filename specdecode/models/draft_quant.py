@@ -66,12 +66,13 @@ def linear_int8_fbgemm(x: Tensor, packed: FbgemmInt8) -> Tensor:
 @dataclass(frozen=True, slots=True)
 class Int4Groups:
     """A draft weight [out, in] for the int4 kernel (``csrc/linear_int4.cpp``): signed 4-bit
-    values, one float32 scale per group of ``INT4_GROUP`` inputs, two values per byte, plus a copy
-    for calls with many rows (``int8``). Decode rows read 4.5 bits per weight instead of 8; a
-    prefill takes a GEMM on the copy. The kernel quantizes activations per row to int8."""
+    values, one scale per group of ``INT4_GROUP`` inputs, two values per byte, plus a copy for
+    calls with many rows (``int8``). Decode rows read 4.25-4.5 bits per weight instead of 8; a
+    prefill takes a GEMM on the copy. The kernel quantizes activations per row to int8. Any
+    subset of rows (``packed[rows]``, ``scales[rows]``, ``offset[rows]``) is again such a weight."""
 
     packed: Tensor  # [out, in / 2] uint8, see the kernel's layout note
-    scales: Tensor  # [out, in / INT4_GROUP] float32
+    scales: Tensor  # [out, in / INT4_GROUP] float32 holding float16 values (the fused forward streams them as such)
     offset: Tensor  # [out] float32: 128 * sum over groups of scale * sum of the group's values
     int8: ManyRows  # for calls of many rows: per-row int8, fbgemm prepacked int8, or its GGUF form
     kernel: object  # the compiled ``linear_int4``, looked up once here rather than per call; or None
@@ -87,9 +88,9 @@ DraftWeight = Int4Groups | ManyRows  # a quantized draft's linear weight
 
 
 def pack_int4(w: Tensor, chunk_rows: int = 8192, many_rows: ManyRows | None = None) -> DraftWeight:
-    """[out, in] float weight -> ``Int4Groups`` (symmetric, scale = max |w| / 7 per group), or the
-    plain int8 pack when ``in`` is not a whole number of groups. In row chunks, so a large
-    matrix is never held twice in float. ``many_rows``: what calls of many rows use instead of
+    """[out, in] float weight -> ``Int4Groups`` (symmetric, scale = max |w| / 7 per group, rounded
+    to a float16 value), or the plain int8 pack when ``in`` is not a whole number of groups. In
+    row chunks, so a large matrix is never held twice in float. ``many_rows``: what calls of many rows use instead of
     an int8 copy (a GGUF weight, which the GGUF kernel runs as shipped)."""
     w = w.float()
     out, inp = w.shape
@@ -101,7 +102,7 @@ def pack_int4(w: Tensor, chunk_rows: int = 8192, many_rows: ManyRows | None = No
     offset = torch.empty(out, dtype=torch.float32)
     for start in range(0, out, chunk_rows):
         g = w[start : start + chunk_rows].reshape(-1, groups, INT4_GROUP)
-        s = g.abs().amax(dim=-1).clamp_min(1e-12) / 7.0
+        s = (g.abs().amax(dim=-1) / 7.0).clamp_min(2.0**-24).half().float()  # the least float16 above 0
         q = torch.round(g / s[..., None]).clamp_(-8, 7)
         offset[start : start + chunk_rows] = 128.0 * (s * q.sum(dim=-1)).sum(dim=-1)
         u = (q + 8).to(torch.uint8)

@@ -84,8 +84,9 @@ def int4_flags() -> list[str]:
     """Compiler flags of the int4 draft kernel: its AVX-512 VNNI build (one VPDPBUSD per group of
     64 inputs) where the CPU has it and ``SPECDECODE_AVX512`` is not 0, else its AVX2 build (two
     VPMADDUBSW and a VPMADDWD per group). Drafts may round either way; exactness never depends
-    on them."""
-    return _flags_for((*AVX512_FEATURES, "avx512_vnni"))
+    on them. F16C widens the fused forward's fp16 scales; floats are never contracted implicitly,
+    so both builds round alike (see the kernel's header)."""
+    return [*_flags_for((*AVX512_FEATURES, "avx512_vnni")), "-mf16c", "-ffp-contract=off"]
 
 
 @functools.cache

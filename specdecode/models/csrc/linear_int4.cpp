@@ -1,29 +1,36 @@
-// Int4 weight, int8 activation linear layer for draft models on x86-64 CPUs: AVX2, or AVX-512
-// VNNI where the CPU has it.
+// Int4 weight, int8 activation linear layers for draft models on x86-64 CPUs (AVX2, or AVX-512
+// VNNI where the CPU has it), and a draft's whole decoder forward for a few decode rows.
+//
+// Why by hand: no library here multiplies 4-bit weights by a few activation rows (torch's
+// quantized engines stop at int8, whose weights are twice the bytes a one-row step streams), and
+// a draft's one-row forward through torch spends more time dispatching its small ops than in
+// its weights.
 //
 // A draft's numerics never affect exactness (the target verifies every token it proposes), so
 // its few decode rows may take the cheapest arithmetic that keeps it agreeing with the target:
-// weights as signed 4-bit values with one float scale per group of 64 inputs, activations
-// quantized to int8 per row per call, products summed in int32. A decode step then reads 4.5
-// bits per weight instead of fbgemm's 8.
+// weights as signed 4-bit values with one scale per group of 64 inputs, activations quantized to
+// int8 per row per call, products summed in int32. A decode step reads 4.25-4.5 bits per weight.
 //
-// Layout: packed[n, g*32 + j] holds weight (n, g*64 + j) in its low nibble and (n, g*64 + 32 + j)
-// in its high nibble, each stored as value + 8 (0..15). Both instruction sets multiply unsigned
-// by signed bytes, so the activations go unsigned (xq + 128) and the weights signed (nibble - 8);
-// the 128 * sum(w) the offset adds is a per-output constant, ``offset[n]`` =
-// 128 * sum_g s_g * sum(w_g), computed when quantizing.
-//
-// One group (64 products) is one VPDPBUSD with AVX-512 VNNI. With AVX2 it is two VPMADDUBSW
-// (pairs of u8 * s8 into int16: at most 2 * 255 * 8 = 4080, so neither they nor the sum of the
-// two halves can saturate) and one VPMADDWD against ones (into int32). The compiler flags choose
-// the build (``native.int4_flags()``); both give the same integers per group, so the two builds
-// differ only in the float accumulation order.
+// Two weight layouts:
+// * Row-major, as ``draft_quant.Int4Groups`` holds it (``linear_int4``, one matrix per call):
+//   packed[n, g*32 + j] holds weight (n, g*64 + j) in its low nibble and (n, g*64 + 32 + j) in its
+//   high nibble, each stored as value + 8 (0..15); float scales [out, in/64]. Activations go
+//   unsigned (xq + 128) and weights signed (nibble - 8); the 128 * sum(w) this adds is the
+//   per-output ``offset[n]`` = 128 * sum_g s_g * sum(w_g), computed when quantizing. One group is
+//   one VPDPBUSD (VNNI), or two VPMADDUBSW and a VPMADDWD (AVX2), reduced per output.
+// * Tiles, which ``Int4Draft`` repacks every matrix into once (see "Tiles" below): each SIMD
+//   lane is one output, so there is no reduction per output and one float FMA per 16 outputs and
+//   group; a thread streams one contiguous run of bytes per matrix; scales are fp16.
 #include <torch/extension.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+#include "lanes.h"
 
 namespace {
 
@@ -96,15 +103,6 @@ inline Acc group_fma(const Group& x, const Group& w, float scale, Acc acc) {
 #endif
 
 constexpr int64_t LANES = sizeof(Acc) / sizeof(float);
-
-inline float dot(const float* a, const float* b, int64_t d) {
-    Acc acc = acc_zero();
-    int64_t k = 0;
-    for (; k + LANES <= d; k += LANES) acc = acc_fma(acc_load(a + k), acc_load(b + k), acc);
-    float s = acc_sum(acc);
-    for (; k < d; ++k) s += a[k] * b[k];
-    return s;
-}
 
 // JB outputs x R rows; xq: unsigned activations [rows, in], row-major.
 template <int JB, int R>
@@ -179,13 +177,243 @@ struct Weight {
     }
 };
 
-void rms_norm(const float* x, const float* w, int64_t n, int64_t d, float eps, float* y) {
-    for (int64_t r = 0; r < n; ++r) {
-        float ss = 0.f;
-        for (int64_t k = 0; k < d; ++k) ss += x[r * d + k] * x[r * d + k];
-        const float inv = 1.f / std::sqrt(ss / d + eps);
-        for (int64_t k = 0; k < d; ++k) y[r * d + k] = w[k] * (x[r * d + k] * inv);
+// ---- Tiles: the layout of ``Int4Draft``'s matrices. ------------------------------------------
+//
+// A tile is 16 outputs (weight rows; the last tile of a matrix padded with zero scales) over all
+// inputs, stored contiguously: first [groups][16] fp16 scales (padded to 64 bytes), then
+// [groups][8 blocks][16 outputs][4 bytes], where byte t of output o in block b of group g holds
+// input 64g + 8b + t in its low nibble and input 64g + 8b + 4 + t in its high nibble, each as
+// value + 8 (0..15). A block's dword lane o is then four inputs of output o: one VPDPBUSD of the
+// unsigned nibbles and a broadcast dword of four signed int8 activations adds their products to
+// all 16 outputs at once (AVX2: VPMADDUBSW per 8 outputs, pairs added in int16 over four blocks,
+// |sum| <= 4 * 2 * 2 * 15 * 127 = 30480, then VPMADDWD). The + 8 in every nibble adds
+// 8 * (the group's activation sum), so each group's int32 accumulator starts at minus that.
+// Integer sums are exact in any order, so both builds get the same int32 per (output, group);
+// each output's floats are then one FMA chain over its groups in its own lane, times the row's
+// activation scale: the same bits in the AVX2 and VNNI builds and for any split across threads.
+
+constexpr int64_t TILE = 16;  // outputs per tile: one AVX-512 register of int32 lanes, two AVX2 ones
+constexpr int64_t MAX_ROWS = 8;  // rows per call: draft_quant.INT4_MAX_ROWS
+// Software prefetch into L2, bytes ahead in a thread's stream of tiles: one prefetch per 64-byte
+// block read. Into L2 rather than L1 and 6 KB ahead was the fastest tried (T0 at 1-3 KB, T1 at
+// 3-24 KB): ``scripts/draft_step.py`` one-row steps.
+constexpr int64_t TILE_PF = 6144;
+
+struct Tiled {
+    torch::Tensor buf;  // uint8 [tiles * tile_bytes]
+    const uint8_t* data = nullptr;
+    int64_t out = 0, in = 0, groups = 0, tiles = 0, scale_bytes = 0, tile_bytes = 0;
+};
+
+// ``w`` repacked into tiles; slot j of the tiles holds w's row rows[j] (-1 or past the end: zeros).
+// Scales are rounded to fp16 (``pack_int4`` makes them fp16 values, so this loses nothing).
+Tiled tile_weight(const Weight& w, const std::vector<int64_t>& rows) {
+    Tiled t;
+    t.out = static_cast<int64_t>(rows.size()), t.in = w.in, t.groups = w.in / G;
+    t.tiles = (t.out + TILE - 1) / TILE;
+    t.scale_bytes = (t.groups * TILE * 2 + 63) / 64 * 64;
+    t.tile_bytes = t.scale_bytes + t.groups * TILE * G / 2;
+    t.buf = torch::zeros({t.tiles * t.tile_bytes}, torch::kUInt8);
+    uint8_t* base = t.buf.data_ptr<uint8_t>();
+    t.data = base;
+    at::parallel_for(0, t.tiles, 16, [&](int64_t begin, int64_t end) {
+        uint8_t nib[G];
+        for (int64_t i = begin; i < end; ++i) {
+            uint16_t* sc = reinterpret_cast<uint16_t*>(base + i * t.tile_bytes);
+            uint8_t* q = base + i * t.tile_bytes + t.scale_bytes;
+            for (int64_t o = 0; o < TILE; ++o) {
+                const int64_t j = i * TILE + o, src = j < t.out ? rows[j] : -1;
+                if (src < 0) continue;
+                for (int64_t g = 0; g < t.groups; ++g) {
+                    sc[g * TILE + o] = c10::Half(w.scales[src * t.groups + g]).x;
+                    const uint8_t* p = w.packed + src * (w.in / 2) + g * (G / 2);
+                    for (int64_t k = 0; k < G / 2; ++k) nib[k] = p[k] & 15, nib[k + G / 2] = p[k] >> 4;
+                    for (int64_t b = 0; b < 8; ++b)
+                        for (int64_t u = 0; u < 4; ++u)
+                            q[(g * 8 + b) * 64 + o * 4 + u] = nib[8 * b + u] | (nib[8 * b + 4 + u] << 4);
+                }
+            }
+        }
+    });
+    return t;
+}
+
+std::vector<int64_t> identity(int64_t n) {
+    std::vector<int64_t> r(n);
+    for (int64_t j = 0; j < n; ++j) r[j] = j;
+    return r;
+}
+
+// gate|up [2 inter, in] in tiles of 8 gate rows then the same 8 up rows, so one tile gives 8
+// outputs of the gated product silu(gate) * up.
+std::vector<int64_t> gate_up_pairs(int64_t inter) {
+    std::vector<int64_t> r(2 * inter);
+    for (int64_t j = 0; j < 2 * inter; ++j) r[j] = j / 16 * 8 + j % 8 + (j % 16 >= 8 ? inter : 0);
+    return r;
+}
+
+// One thread's int8 activations of n rows for a tiled matrix: values in [-127, 127] (row-major),
+// one float scale per row (as ``quantize_rows``), and per group -8 times the values' sum.
+struct Acts {
+    std::vector<int8_t> q;
+    std::vector<int32_t> base;
+    std::vector<float> scale;
+    int64_t n = 0, in = 0, groups = 0;
+
+    void set(const float* x, int64_t rows, int64_t width) {
+        n = rows, in = width, groups = width / G;
+        q.resize(n * in), base.resize(n * groups), scale.resize(n);
+        for (int64_t r = 0; r < n; ++r) {
+            const float* xr = x + r * in;
+            float m = 0.f;
+            for (int64_t k = 0; k < in; ++k) m = std::max(m, std::fabs(xr[k]));
+            scale[r] = m > 0.f ? m / 127.f : 1.f;
+            const float inv = 1.f / scale[r];
+            for (int64_t g = 0; g < groups; ++g) {
+                int32_t sum = 0;
+                for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+                    const int v = static_cast<int>(std::nearbyint(xr[k] * inv));
+                    q[r * in + k] = static_cast<int8_t>(v);
+                    sum += v;
+                }
+                base[r * groups + g] = -8 * sum;
+            }
+        }
     }
+    int32_t dword(int64_t r, int64_t k) const {  // activations k..k+3 of row r
+        int32_t v;
+        std::memcpy(&v, q.data() + r * in + k, 4);
+        return v;
+    }
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int PARTS = 1;  // registers per tile and row
+constexpr int MAXR = 8;   // rows per pass over a tile
+
+// Outputs of one tile for rows r0 .. r0+R-1: y[r][o] (o < 16).
+template <int R>
+inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int, float (*y)[TILE]) {
+    constexpr int C = R <= 4 ? 2 : 1;  // int32 chains per row (a one-row tile needs two to hide latency)
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(tile);
+    const uint8_t* q = tile + w.scale_bytes;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512 f[R];
+    for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+        __m512i acc[R][C];
+        for (int r = 0; r < R; ++r) {
+            acc[r][0] = _mm512_set1_epi32(a.base[(r0 + r) * a.groups + g]);
+            if constexpr (C == 2) acc[r][1] = _mm512_setzero_si512();
+        }
+        const uint8_t* qg = q + g * 512;
+        for (int b = 0; b < 8; ++b) {
+            _mm_prefetch(reinterpret_cast<const char*>(qg + 64 * b + TILE_PF), _MM_HINT_T1);
+            const __m512i v = _mm512_load_si512(qg + 64 * b);
+            const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            for (int r = 0; r < R; ++r) {
+                const int64_t k = g * G + 8 * b;
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], lo, _mm512_set1_epi32(a.dword(r0 + r, k)));
+                acc[r][C - 1] = _mm512_dpbusd_epi32(acc[r][C - 1], hi, _mm512_set1_epi32(a.dword(r0 + r, k + 4)));
+            }
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc + g * TILE)));
+        for (int r = 0; r < R; ++r) {
+            const __m512i sum = C == 2 ? _mm512_add_epi32(acc[r][0], acc[r][C - 1]) : acc[r][0];
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), s, f[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], _mm512_mul_ps(f[r], _mm512_set1_ps(a.scale[r0 + r])));
+}
+#else
+constexpr int PARTS = 2;
+constexpr int MAXR = 4;
+
+// Outputs 8 part .. 8 part + 7 of one tile for rows r0 .. r0+R-1.
+template <int R>
+inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int part, float (*y)[TILE]) {
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(tile);
+    const uint8_t* q = tile + w.scale_bytes + 32 * part;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 f[R];
+    for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+        __m256i acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_set1_epi32(a.base[(r0 + r) * a.groups + g]);
+        for (int h = 0; h < 2; ++h) {  // four blocks at a time keep the int16 sums within +-30480
+            __m256i s16[R];
+            for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+            for (int b = 4 * h; b < 4 * h + 4; ++b) {
+                const uint8_t* p = q + g * 512 + 64 * b;
+                if (part == 0) _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF), _MM_HINT_T1);
+                const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                for (int r = 0; r < R; ++r) {
+                    const int64_t k = g * G + 8 * b;
+                    const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a.dword(r0 + r, k)));
+                    const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a.dword(r0 + r, k + 4)));
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(pl, ph));
+                }
+            }
+            for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s16[r], ones));
+        }
+        const __m256 s = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + g * TILE + 8 * part)));
+        for (int r = 0; r < R; ++r) f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, f[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y[r] + 8 * part, _mm256_mul_ps(f[r], _mm256_set1_ps(a.scale[r0 + r])));
+}
+#endif
+
+// rows (1..R) rows from r0 through the tile_rows instance of that many rows.
+template <int R>
+inline void rows_upto(int64_t rows, const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int part,
+                      float (*y)[TILE]) {
+    if constexpr (R > 1)
+        if (rows < R) return rows_upto<R - 1>(rows, w, tile, a, r0, part, y);
+    tile_rows<R>(w, tile, a, r0, part, y);
+}
+
+// Tile i of w for every row of a: y[r][o].
+void tile_all_rows(const Tiled& w, int64_t i, const Acts& a, float (*y)[TILE]) {
+    const uint8_t* tile = w.data + i * w.tile_bytes;
+    for (int part = 0; part < PARTS; ++part)
+        for (int64_t r0 = 0; r0 < a.n; r0 += MAXR)
+            rows_upto<MAXR>(std::min<int64_t>(MAXR, a.n - r0), w, tile, a, r0, part, y + r0);
+}
+
+// Tiles of w this thread owns (an even share), each handed to sink(i, y) with y[r][o] its outputs.
+template <typename Sink>
+void run_share(const Tiled& w, const Acts& a, int thread, int threads, Sink&& sink) {
+    alignas(64) float y[MAX_ROWS][TILE];
+    const int64_t begin = w.tiles * thread / threads, end = w.tiles * (thread + 1) / threads;
+    for (int64_t i = begin; i < end; ++i) {
+        tile_all_rows(w, i, a, y);
+        sink(i, y);
+    }
+}
+
+// ---- The float steps of a layer, row by row on lanes::V8: the same bits in both builds. -------
+
+// y = w * (x * (1 / sqrt(mean(x^2) + eps))) for n rows of d (a multiple of 8) values.
+void rms_rows(const float* x, const float* w, int64_t n, int64_t d, float eps, float* y) {
+    using namespace lanes;
+    for (int64_t r = 0; r < n; ++r) {
+        const float* xr = x + r * d;
+        V8 ss = splat(0.f);
+        for (int64_t k = 0; k < d; k += 8) {
+            const V8 v = load(xr + k);
+            ss = fma(v, v, ss);
+        }
+        const V8 inv = splat(1.f / std::sqrt(reduce8(ss) / static_cast<float>(d) + eps));
+        for (int64_t k = 0; k < d; k += 8) store(y + r * d + k, mul(load(w + k), mul(load(xr + k), inv)));
+    }
+}
+
+// silu(g) * u, with sigmoid(g) from e = exp(-|g|), which never overflows.
+inline lanes::V8 glu8(lanes::V8 g, lanes::V8 u) {
+    using namespace lanes;
+    const V8 e = exp8(neg_abs(g)), one = splat(1.f);
+    return mul(mul(g, select_nonneg(g, div(one, add(one, e)), div(e, add(one, e)))), u);
 }
 
 // Rotate-half RoPE of one head vector in place (HF layout).
@@ -198,11 +426,47 @@ void rope(float* v, const float* cos, const float* sin, int64_t d) {
     }
 }
 
+// Softmax attention of one query q over keys/values 0..len-1 (rows of d, a multiple of 8) into o;
+// p: scratch of len rounded up to 8 floats. Each score is one FMA chain over d and each output one
+// chain over the keys; several run at once only to hide the FMA latency.
+void attend(const float* q, const float* k, const float* v, int64_t len, int64_t d, float scale, float* p, float* o) {
+    using namespace lanes;
+    constexpr int KEYS = 4;  // scores at a time
+    float top = -INFINITY;
+    for (int64_t t0 = 0; t0 < len; t0 += KEYS) {
+        const int64_t keys = std::min<int64_t>(KEYS, len - t0);
+        V8 acc[KEYS];
+        for (int j = 0; j < KEYS; ++j) acc[j] = splat(0.f);
+        for (int64_t c = 0; c < d; c += 8) {
+            const V8 qc = load(q + c);
+            for (int j = 0; j < keys; ++j) acc[j] = fma(qc, load(k + (t0 + j) * d + c), acc[j]);
+        }
+        for (int j = 0; j < keys; ++j) top = std::max(top, p[t0 + j] = reduce8(acc[j]) * scale);
+    }
+    const int64_t padded = (len + 7) / 8 * 8;
+    std::fill(p + len, p + padded, top);
+    for (int64_t t = 0; t < padded; t += 8) store(p + t, exp8(sub(load(p + t), splat(top))));
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) sum += p[t];
+    for (int64_t t = 0; t < len; ++t) p[t] /= sum;
+    constexpr int64_t SPAN = 64;  // outputs at a time: 8 registers
+    for (int64_t c0 = 0; c0 < d; c0 += SPAN) {
+        const int64_t regs = std::min(SPAN, d - c0) / 8;
+        V8 acc[SPAN / 8];
+        for (int j = 0; j < SPAN / 8; ++j) acc[j] = splat(0.f);
+        for (int64_t t = 0; t < len; ++t) {
+            const V8 w = splat(p[t]);
+            for (int64_t j = 0; j < regs; ++j) acc[j] = fma(w, load(v + t * d + c0 + 8 * j), acc[j]);
+        }
+        for (int64_t j = 0; j < regs; ++j) store(o + c0 + 8 * j, acc[j]);
+    }
+}
+
 struct Layer {
     const float* in_norm;
     const float* post_norm;
     const float* qkv_bias;  // or nullptr
-    Weight qkv, o, gate_up, down;
+    Tiled qkv, o, gate_up, down;
 };
 
 }  // namespace
@@ -222,19 +486,43 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
     return y;
 }
 
+// The tiled kernel on one matrix: x [n <= 8, in] @ w.T through ``Int4Draft``'s layout (for tests).
+torch::Tensor linear_int4_tiled(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                const torch::Tensor& offset) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [n, in] float32");
+    TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "bad packed weight");
+    const Weight w(packed, scales, offset);
+    TORCH_CHECK(x.size(1) == w.in && x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "x must be [1..8, in]");
+    const Tiled t = tile_weight(w, identity(w.out));
+    Acts a;
+    a.set(x.data_ptr<float>(), x.size(0), w.in);
+    auto y = torch::empty({x.size(0), w.out}, x.options());
+    float* yp = y.data_ptr<float>();
+    run_share(t, a, 0, 1, [&](int64_t i, float (*v)[TILE]) {
+        for (int64_t r = 0; r < a.n; ++r)
+            for (int64_t o = 0; o < TILE && i * TILE + o < w.out; ++o) yp[r * w.out + i * TILE + o] = v[r][o];
+    });
+    return y;
+}
+
 // A whole int4 draft decoder forward for a few decode rows in one call.
 //
 // Why: through torch, a one-row draft forward spends most of its time outside the int4 linear
 // layers, in the dispatch of some 40 small ops per layer, each a few microseconds for a single
-// row. Here a layer is plain loops over the same weights and cache. ``python
-// scripts/draft_step.py --quantize int4`` times this forward against the torch layers
-// (docs/PERFORMANCE.md, "The draft").
+// row. Here a layer is plain loops over the same weights (repacked into tiles when built: a copy
+// of the int4 bytes) and cache, in one OpenMP team for the whole forward: each thread computes an
+// even share of every matrix's tiles, and the threads meet at one barrier per step that needs
+// another thread's outputs (five per layer). Each thread quantizes a matrix's input rows itself,
+// so no barrier waits for that. ``python scripts/draft_step.py --quantize int4`` times this
+// forward against the torch layers and a target step (docs/PERFORMANCE.md, "The draft").
 // Numerics follow ``Decoder`` in float32 (rms_norm, rotate-half RoPE, causal softmax attention
-// with grouped kv heads, SiLU-gated MLP); only the draft uses this, so its rounding is free.
+// with grouped kv heads, SiLU-gated MLP); only the draft uses this, so its rounding is free; a
+// row's bits depend neither on the build (AVX2 or VNNI) nor on the number of threads.
 class Int4Draft {
   public:
     // layers[i]: in_norm, post_norm, qkv_bias (empty if none), then packed, scales, offset of
-    // qkv, o, gate_up and down. cos/sin: [positions, head_dim]. The tensors are kept alive here.
+    // qkv, o, gate_up and down (row-major, as ``Int4Groups``); lm_head likewise, with any number of
+    // rows (a vocabulary subset gives logits of its rows). cos/sin: [positions, head_dim].
     Int4Draft(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor embed,
               torch::Tensor cos, torch::Tensor sin, torch::Tensor norm, std::vector<torch::Tensor> lm_head,
               std::vector<std::vector<torch::Tensor>> layers)
@@ -243,23 +531,26 @@ class Int4Draft {
         TORCH_CHECK(lm_head.size() == 3, "lm_head: packed, scales, offset");
         hidden_ = norm_.size(0);
         TORCH_CHECK(!embed_.numel() || embed_.size(1) == hidden_, "embed must be [V, hidden] or empty");
-        lm_head_ = Weight(lm_head[0], lm_head[1], lm_head[2]);
-        for (auto& t : lm_head) keep_.push_back(t);
+        TORCH_CHECK(head_dim % 8 == 0 && heads % kv_heads == 0, "head_dim must be a multiple of 8");
+        const Weight lm(lm_head[0], lm_head[1], lm_head[2]);
+        TORCH_CHECK(lm.in == hidden_, "bad lm_head");
+        lm_head_ = tile_weight(lm, identity(lm.out));
         for (auto& l : layers) {
             TORCH_CHECK(l.size() == 15, "each layer needs 15 tensors");
-            for (auto& t : l) keep_.push_back(t);
+            for (int i = 0; i < 3; ++i) keep_.push_back(l[i].contiguous());
             Layer layer;
-            layer.in_norm = l[0].data_ptr<float>();
-            layer.post_norm = l[1].data_ptr<float>();
-            layer.qkv_bias = l[2].numel() ? l[2].data_ptr<float>() : nullptr;
-            layer.qkv = Weight(l[3], l[4], l[5]);
-            layer.o = Weight(l[6], l[7], l[8]);
-            layer.gate_up = Weight(l[9], l[10], l[11]);
-            layer.down = Weight(l[12], l[13], l[14]);
-            TORCH_CHECK(layer.qkv.in == hidden_ && layer.qkv.out == (heads + 2 * kv_heads) * head_dim, "bad qkv");
-            TORCH_CHECK(layer.o.in == heads * head_dim && layer.o.out == hidden_, "bad o");
-            TORCH_CHECK(layer.down.in * 2 == layer.gate_up.out && layer.down.out == hidden_, "bad mlp");
-            layers_.push_back(layer);
+            layer.in_norm = keep_[keep_.size() - 3].data_ptr<float>();
+            layer.post_norm = keep_[keep_.size() - 2].data_ptr<float>();
+            layer.qkv_bias = l[2].numel() ? keep_.back().data_ptr<float>() : nullptr;
+            const Weight qkv(l[3], l[4], l[5]), o(l[6], l[7], l[8]), gate_up(l[9], l[10], l[11]), down(l[12], l[13], l[14]);
+            TORCH_CHECK(qkv.in == hidden_ && qkv.out == (heads + 2 * kv_heads) * head_dim, "bad qkv");
+            TORCH_CHECK(o.in == heads * head_dim && o.out == hidden_, "bad o");
+            TORCH_CHECK(down.in * 2 == gate_up.out && gate_up.in == hidden_ && down.out == hidden_, "bad mlp");
+            layer.qkv = tile_weight(qkv, identity(qkv.out));
+            layer.o = tile_weight(o, identity(o.out));
+            layer.gate_up = tile_weight(gate_up, gate_up_pairs(down.in));
+            layer.down = tile_weight(down, identity(down.out));
+            layers_.push_back(std::move(layer));
         }
     }
 
@@ -269,115 +560,137 @@ class Int4Draft {
     torch::Tensor forward(const torch::Tensor& tokens, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
                           bool last_only) {
         const bool embedded = tokens.scalar_type() == torch::kFloat32;
-        const int64_t n = tokens.size(0), D = hidden_, d = head_dim_, hq = heads_, hkv = kv_heads_;
+        const int64_t n = tokens.size(0), D = hidden_;
         const int64_t capacity = k_cache.size(2), end = start + n;
         TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == (int64_t)layers_.size()
-                        && k_cache.size(1) == hkv && k_cache.size(3) == d, "bad kv cache");
+                        && k_cache.size(1) == kv_heads_ && k_cache.size(3) == head_dim_ && v_cache.sizes() == k_cache.sizes(),
+                    "bad kv cache");
         TORCH_CHECK(start >= 0 && end <= capacity && end <= cos_.size(0), "slots past the cache");
         TORCH_CHECK(embedded ? tokens.dim() == 2 && tokens.size(1) == D && n > 0
                              : tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && n > 0 && embed_.numel(),
                     "tokens must be [n > 0] int64, or [n > 0, hidden] float32 embeddings");
+        TORCH_CHECK(n <= MAX_ROWS, "at most ", MAX_ROWS, " rows");
         const torch::Tensor ids = tokens.contiguous();
-        const int64_t inter = layers_.empty() ? 0 : layers_[0].down.in;
-        const int64_t widest = std::max({D, hq * d, inter});
-        std::vector<float> x(n * D), h(n * D), qkv(n * (hq + 2 * hkv) * d), attn(n * hq * d),
-            gu(n * 2 * inter), act(n * inter), tmp(n * D), scores(hq * n * end);
-        std::vector<uint8_t> xq(n * widest);
-        std::vector<float> xs(n);
+        State s;
+        s.n = n, s.start = start, s.capacity = capacity;
+        s.x.resize(n * D);
         if (embedded) {
-            std::copy_n(ids.data_ptr<float>(), n * D, x.data());
+            std::copy_n(ids.data_ptr<float>(), n * D, s.x.data());
         } else {
             const int64_t* tok = ids.data_ptr<int64_t>();
             for (int64_t r = 0; r < n; ++r) {
                 TORCH_CHECK(tok[r] >= 0 && tok[r] < embed_.size(0), "token id out of range");
-                std::copy_n(embed_.data_ptr<float>() + tok[r] * D, D, x.data() + r * D);
+                std::copy_n(embed_.data_ptr<float>() + tok[r] * D, D, s.x.data() + r * D);
             }
         }
-        const float scale = 1.f / std::sqrt(static_cast<float>(d));
-        const int64_t width = (hq + 2 * hkv) * d, group = hq / hkv;
-        for (size_t li = 0; li < layers_.size(); ++li) {
-            const Layer& L = layers_[li];
-            float* kc = k_cache.data_ptr<float>() + li * hkv * capacity * d;
-            float* vc = v_cache.data_ptr<float>() + li * hkv * capacity * d;
-            rms_norm(x.data(), L.in_norm, n, D, eps_, h.data());
-            L.qkv.apply(h.data(), n, qkv.data(), xq.data(), xs.data());
-            for (int64_t r = 0; r < n; ++r) {
-                float* row = qkv.data() + r * width;
-                if (L.qkv_bias)
-                    for (int64_t j = 0; j < width; ++j) row[j] += L.qkv_bias[j];
-                const float* c = cos_.data_ptr<float>() + (start + r) * d;
-                const float* s = sin_.data_ptr<float>() + (start + r) * d;
-                for (int64_t hd = 0; hd < hq + hkv; ++hd) rope(row + hd * d, c, s, d);
-                for (int64_t g = 0; g < hkv; ++g) {
-                    std::copy_n(row + (hq + g) * d, d, kc + (g * capacity + start + r) * d);
-                    std::copy_n(row + (hq + hkv + g) * d, d, vc + (g * capacity + start + r) * d);
-                }
-            }
-            at::parallel_for(0, hkv, 1, [&](int64_t g0, int64_t g1) {
-                for (int64_t g = g0; g < g1; ++g)
-                    attend(qkv.data(), width, kc + g * capacity * d, vc + g * capacity * d, g, group, n, start,
-                           scale, scores.data(), attn.data());
-            });
-            L.o.apply(attn.data(), n, tmp.data(), xq.data(), xs.data());
-            for (int64_t k = 0; k < n * D; ++k) x[k] += tmp[k];
-            rms_norm(x.data(), L.post_norm, n, D, eps_, h.data());
-            L.gate_up.apply(h.data(), n, gu.data(), xq.data(), xs.data());
-            for (int64_t r = 0; r < n; ++r)
-                for (int64_t j = 0; j < inter; ++j) {
-                    const float g = gu[r * 2 * inter + j];
-                    act[r * inter + j] = g / (1.f + std::exp(-g)) * gu[r * 2 * inter + inter + j];
-                }
-            L.down.apply(act.data(), n, tmp.data(), xq.data(), xs.data());
-            for (int64_t k = 0; k < n * D; ++k) x[k] += tmp[k];
-        }
-        const int64_t first = last_only ? n - 1 : 0, m = n - first;
-        rms_norm(x.data() + first * D, norm_.data_ptr<float>(), m, D, eps_, h.data());
-        auto logits = torch::empty({m, lm_head_.out}, norm_.options());
-        lm_head_.apply(h.data(), m, logits.data_ptr<float>(), xq.data(), xs.data());
+        const int64_t first = last_only ? n - 1 : 0;
+        auto logits = torch::empty({n - first, lm_head_.out}, norm_.options());
+        s.k = k_cache.data_ptr<float>(), s.v = v_cache.data_ptr<float>();
+        const int64_t inter = layers_.empty() ? 0 : layers_[0].down.in;
+        s.qkv.resize(n * (heads_ + 2 * kv_heads_) * head_dim_), s.attn.resize(n * heads_ * head_dim_), s.act.resize(n * inter);
+        const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+        run(s, omp_get_thread_num(), omp_get_num_threads(), first, logits.data_ptr<float>());
         return logits;
     }
 
   private:
-    // Query heads g*group .. of every row against kv head g; row r sees slots 0..start+r.
-    void attend(const float* qkv, int64_t width, const float* k, const float* v, int64_t g, int64_t group,
-                int64_t n, int64_t start, float scale, float* scores, float* out) const {
-        const int64_t d = head_dim_, hq = heads_;
-        for (int64_t r = 0; r < n; ++r) {
-            const int64_t len = start + r + 1;
+    struct State {  // one forward's buffers, shared by its threads
+        int64_t n = 0, start = 0, capacity = 0;
+        float *k = nullptr, *v = nullptr;
+        std::vector<float> x, qkv, attn, act;
+    };
+
+    // One thread's part of the forward; every thread of the team runs it.
+    void run(State& s, int t, int T, int64_t first, float* logits) const {
+        const int64_t n = s.n, D = hidden_, d = head_dim_, hq = heads_, hkv = kv_heads_, group = hq / hkv;
+        const int64_t width = (hq + 2 * hkv) * d, inter = layers_.empty() ? 0 : layers_[0].down.in;
+        const float scale = 1.f / std::sqrt(static_cast<float>(d));
+        Acts a;
+        std::vector<float> h(n * D), scores((s.start + n + 7) / 8 * 8);
+        auto add_to_x = [&](int64_t i, float (*y)[TILE]) {
+            for (int64_t r = 0; r < n; ++r)
+                for (int64_t o = 0; o < TILE; ++o) s.x[r * D + i * TILE + o] += y[r][o];
+        };
+        for (size_t li = 0; li < layers_.size(); ++li) {
+            const Layer& L = layers_[li];
+            float* kc = s.k + li * hkv * s.capacity * d;
+            float* vc = s.v + li * hkv * s.capacity * d;
+            rms_rows(s.x.data(), L.in_norm, n, D, eps_, h.data());
+            a.set(h.data(), n, D);
+            run_share(L.qkv, a, t, T, [&](int64_t i, float (*y)[TILE]) {
+                const int64_t cols = std::min(TILE, width - i * TILE);
+                for (int64_t r = 0; r < n; ++r) std::copy_n(y[r], cols, s.qkv.data() + r * width + i * TILE);
+            });
+#pragma omp barrier
+            for (int64_t g = hkv * t / T; g < hkv * (t + 1) / T; ++g)  // this thread's kv heads
+                rope_attend(s, L, g, group, width, kc + g * s.capacity * d, vc + g * s.capacity * d, scale, scores.data());
+#pragma omp barrier
+            a.set(s.attn.data(), n, hq * d);
+            run_share(L.o, a, t, T, add_to_x);
+#pragma omp barrier
+            rms_rows(s.x.data(), L.post_norm, n, D, eps_, h.data());
+            a.set(h.data(), n, D);
+            run_share(L.gate_up, a, t, T, [&](int64_t i, float (*y)[TILE]) {
+                for (int64_t r = 0; r < n; ++r)
+                    lanes::store(s.act.data() + r * inter + i * 8, glu8(lanes::load(y[r]), lanes::load(y[r] + 8)));
+            });
+#pragma omp barrier
+            a.set(s.act.data(), n, inter);
+            run_share(L.down, a, t, T, add_to_x);
+#pragma omp barrier
+        }
+        const int64_t m = n - first, V = lm_head_.out;
+        rms_rows(s.x.data() + first * D, norm_.data_ptr<float>(), m, D, eps_, h.data());
+        a.set(h.data(), m, D);
+        run_share(lm_head_, a, t, T, [&](int64_t i, float (*y)[TILE]) {
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t o = 0; o < TILE && i * TILE + o < V; ++o) logits[r * V + i * TILE + o] = y[r][o];
+        });
+    }
+
+    // Bias and RoPE of kv head g's keys, values and queries in every row, the keys and values into
+    // the cache (kc, vc: head g's slots), then those queries' attention: row r sees slots
+    // 0..start+r.
+    void rope_attend(State& s, const Layer& L, int64_t g, int64_t group, int64_t width, float* kc, float* vc,
+                     float scale, float* scores) const {
+        const int64_t d = head_dim_, hq = heads_, hkv = kv_heads_;
+        for (int64_t r = 0; r < s.n; ++r) {
+            float* row = s.qkv.data() + r * width;
+            const float* c = cos_.data_ptr<float>() + (s.start + r) * d;
+            const float* sn = sin_.data_ptr<float>() + (s.start + r) * d;
+            const int64_t heads[] = {hq + g, hq + hkv + g};  // this kv head's key and value
+            for (int64_t j = 0; j < group + 2; ++j) {
+                const int64_t head = j < group ? g * group + j : heads[j - group];
+                float* v = row + head * d;
+                if (L.qkv_bias)
+                    for (int64_t e = 0; e < d; ++e) v[e] += L.qkv_bias[head * d + e];
+                if (head < hq + hkv) rope(v, c, sn, d);
+            }
+            std::copy_n(row + (hq + g) * d, d, kc + (s.start + r) * d);
+            std::copy_n(row + (hq + hkv + g) * d, d, vc + (s.start + r) * d);
+        }
+        for (int64_t r = 0; r < s.n; ++r)
             for (int64_t j = 0; j < group; ++j) {
                 const int64_t head = g * group + j;
-                const float* q = qkv + r * width + head * d;
-                float* p = scores + (head * n + r) * (start + n);
-                float top = -INFINITY;
-                for (int64_t t = 0; t < len; ++t) {
-                    p[t] = dot(q, k + t * d, d) * scale;
-                    top = std::max(top, p[t]);
-                }
-                float sum = 0.f;
-                for (int64_t t = 0; t < len; ++t) sum += (p[t] = std::exp(p[t] - top));
-                float* o = out + r * hq * d + head * d;
-                std::fill_n(o, d, 0.f);
-                for (int64_t t = 0; t < len; ++t) {
-                    const float w = p[t] / sum;
-                    const float* vt = v + t * d;
-                    for (int64_t c = 0; c < d; ++c) o[c] += w * vt[c];
-                }
+                attend(s.qkv.data() + r * width + head * d, kc, vc, s.start + r + 1, d, scale, scores,
+                       s.attn.data() + r * hq * d + head * d);
             }
-        }
     }
 
     int64_t heads_, kv_heads_, head_dim_, hidden_;
     float eps_;
     torch::Tensor embed_, cos_, sin_, norm_;
-    Weight lm_head_;
+    Tiled lm_head_;
     std::vector<Layer> layers_;
-    std::vector<torch::Tensor> keep_;
+    std::vector<torch::Tensor> keep_;  // norms and biases the layers point into
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("lanes", [] { return LANES; },
-          "float lanes per accumulator: 16 in the AVX-512 VNNI build, 8 in the AVX2 build");
+          "float lanes per accumulator of linear_int4: 16 in the AVX-512 VNNI build, 8 in the AVX2 build");
     m.def("linear_int4", &linear_int4, "int4-weight, int8-activation x @ w.T for draft decode rows (AVX2 or AVX-512 VNNI)");
+    m.def("linear_int4_tiled", &linear_int4_tiled, "linear_int4 through Int4Draft's tiled layout (1..8 rows)");
     pybind11::class_<Int4Draft>(m, "Int4Draft")
         .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
                             torch::Tensor, std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>>())
