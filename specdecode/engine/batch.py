@@ -185,10 +185,10 @@ class Batch:
         self.last_k = max(ks, default=0)
         works: dict[Member, DraftWork] = {}
         picked: dict[Member, DraftSource] = {}
-        for m, (source, _), k in zip(members, chosen, ks):
+        for m, (source, request), k in zip(members, chosen, ks):
             picked[m] = source
-            if k > 0:
-                works[m] = DraftWork(source.draft(m.gen.seq, k))
+            if k > 0:  # a seeded sampled request drafts as it would alone, so its draws are too
+                works[m] = DraftWork(source.draft(m.gen.seq, k), alone=request.reproducible)
         draft_all(list(works.values()))
         proposals = {}
         for m, work in works.items():
