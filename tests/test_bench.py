@@ -99,7 +99,8 @@ def test_specbench_loader_rejects_bad_files(tmp_path, content, message):
 def test_bench_end_to_end_shapes(tiny_pair, tmp_path, capsys):
     code, summary, rows = bench(tmp_path, *pair_args(tiny_pair), "--methods", "none,draft_model",
                                 "--workload", "chat,math", "--limit", "1", "--max-tokens", "12", "-k", "3",
-                                "--draft-confidence", "0")  # a random tiny draft is never confident
+                                "--draft-confidence", "0",  # a random tiny draft is never confident
+                                "--k-schedule", "fixed")  # drafts every step, so every field has values
     assert code == 0, capsys.readouterr().err
     out = tmp_path / "out"
     for name in ("results.jsonl", "summary.json", "summary.md", "speedup_by_category.png",
