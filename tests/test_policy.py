@@ -90,7 +90,7 @@ def test_room_caps_and_fixed_requests():
 
 def test_a_catch_up_is_weighed_against_the_tokens_left():
     costs = _costs(row_s=0.004, draft_s=0.004)
-    costs.catch_up_token_s = 0.002  # 300 tokens: 0.6 s
+    costs.record(StepTimes(rows=1, verify_s=STEP, catch_ups=[(300, 0.6)]))  # 300 tokens: 0.6 s
     policy = CostModel(costs)
     assert policy.draft_lengths([_request(0.9, catch_up=300, remaining=256)])[0] > 0
     assert policy.draft_lengths([_request(0.9, catch_up=300, remaining=4)]) == [0]
@@ -103,8 +103,8 @@ def test_a_request_off_drafting_probes_ever_more_rarely():
     probes = [i for i, k in enumerate(picks) if k]
     assert [picks[i] for i in probes] == [PROBE_K] * 3
     assert [b - a for a, b in zip(probes, probes[1:])] == [32, 64]
-    behind = _request(0.5, catch_up=40)  # a draft model that missed 40 tokens: a probe would pay a prefill
-    assert set(policy.draft_lengths([behind])[0] for _ in range(200)) == {0}
+    behind = _request(0.5, catch_up=40)  # a draft model that missed 40 tokens probes too, paying its catch-up
+    assert PROBE_K in {policy.draft_lengths([behind])[0] for _ in range(20)}
     request.state.probe_after = PROBE_AFTER_MAX
     assert set(policy.draft_lengths([request])[0] for _ in range(PROBE_AFTER_MAX - 1)) == {0}
 
@@ -134,7 +134,17 @@ def test_verify_costs_are_read_through_a_fitted_line():
     costs.record(StepTimes(rows=5, verify_s=0.080))
     assert costs.verify(9) == pytest.approx(0.120) and costs.verify(3) == pytest.approx(0.060)
     costs.record(StepTimes(rows=1, verify_s=0.050, catch_ups=[(100, 0.5)]))
-    assert costs.verify(1) == pytest.approx(0.042) and costs.catch_up(10) == pytest.approx(0.05)
+    assert costs.verify(1) == pytest.approx(0.042)
+
+
+def test_catch_ups_are_read_through_a_line_of_their_sizes():
+    """A forward's fixed cost plus a cost per token; from one size alone, never scaled up."""
+    costs = StepCosts()
+    assert costs.catch_up(100) == 0.0
+    costs.record(StepTimes(rows=1, verify_s=STEP, catch_ups=[(8, 0.020)]))  # a few missed tokens
+    assert costs.catch_up(4) == pytest.approx(0.010) and costs.catch_up(400) == pytest.approx(0.020)
+    costs.record(StepTimes(rows=1, verify_s=STEP, catch_ups=[(408, 0.220)]))  # a prompt's prefill
+    assert costs.catch_up(208) == pytest.approx(0.120) and costs.catch_up(8) == pytest.approx(0.020)
 
 
 def test_a_seeded_sampled_request_gets_its_k_from_its_own_history_alone():

@@ -5,7 +5,7 @@ with its rows once the matmuls turn compute-bound (on a 2-core CPU each extra ro
 target costs a share of a whole step), so it is kept by row count and read through a line
 fitted to the row counts measured: ``a + b (rows - 1)``. Drafting is kept per method as seconds
 per drafted token (free drafters measure near 0), and a draft model's catch-up (feeding tokens
-it missed, a prefill) as seconds per token. Each estimate is a running mean, so it follows the
+it missed, a prefill) by its size. Each estimate is a running mean, so it follows the
 machine's load.
 """
 
@@ -80,7 +80,8 @@ class StepCosts:
 
     verify_by_rows: dict[int, float] = field(default_factory=dict)
     draft_token_s: dict[str, float] = field(default_factory=dict)  # by method
-    catch_up_token_s: float | None = None
+    # catch-ups by size (the bit length of their token count): running means of (tokens, seconds)
+    catch_up_by_size: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def verify_measured(self) -> bool:
@@ -103,12 +104,7 @@ class StepCosts:
             rows, s = points[0]
             a = s / (1 + ROW_SHARE_PRIOR * (rows - 1))
             return a, ROW_SHARE_PRIOR * a
-        n = len(points)
-        mx = sum(r - 1 for r, _ in points) / n
-        my = sum(s for _, s in points) / n
-        sxx = sum((r - 1 - mx) ** 2 for r, _ in points)
-        b = max(sum((r - 1 - mx) * (s - my) for r, s in points) / sxx, 0.0)
-        return my - b * mx, b
+        return _fit([(r - 1, s) for r, s in points])
 
     def draft_token(self, request: DraftCostKey) -> float:
         """Seconds per drafted token of the request's method; until measured, its drafter's prior
@@ -117,16 +113,39 @@ class StepCosts:
         return measured if measured is not None else request.draft_cost_prior * self.verify(1)
 
     def catch_up(self, tokens: int) -> float:
-        return tokens * (self.catch_up_token_s or 0.0)
+        """Seconds to feed ``tokens`` through a draft model: a line through the catch-up sizes
+        measured (a forward's fixed cost plus a cost per token, which a prompt's prefill and a
+        few missed tokens both pin down). From one size alone it never scales up, only down: a
+        catch-up judged dearer than it is would never run, so never be measured again."""
+        points = sorted(self.catch_up_by_size.values())
+        if not points:
+            return 0.0
+        if len(points) == 1:
+            n, s = points[0]
+            return s * min(tokens / n, 1.0)
+        a, b = _fit(points)
+        return max(a + b * tokens, 0.0)
 
     def record(self, step: StepTimes) -> None:
         self.verify_by_rows[step.rows] = _ema(self.verify_by_rows.get(step.rows), step.verify_s)
         for tokens, seconds in step.catch_ups:
-            self.catch_up_token_s = _ema(self.catch_up_token_s, seconds / tokens)
+            size = tokens.bit_length()
+            old = self.catch_up_by_size.get(size)
+            self.catch_up_by_size[size] = (tokens, seconds) if old is None else (_ema(old[0], tokens), _ema(old[1], seconds))
         for outcome in step.requests:
             if outcome.drafted:
                 per_token = outcome.draft_s / outcome.drafted
                 self.draft_token_s[outcome.method] = _ema(self.draft_token_s.get(outcome.method), per_token)
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``a + b x`` through two or more (x, y) points (equal weights), slope >= 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = max(sum((x - mx) * (y - my) for x, y in points) / sxx, 0.0) if sxx else 0.0
+    return my - b * mx, b
 
 
 def _ema(old: float | None, new: float) -> float:

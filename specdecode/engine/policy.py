@@ -17,8 +17,8 @@ A drafter may offer several sources for a step (``Drafter.sources``: ``combined`
 copy from a context match and its draft model); ``pick_sources`` takes, per request, the one with
 the best expected rate, and acceptance and cost are learned per source name. A request at K = 0
 measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
-once to re-measure (the wait doubles while drafting stays off), unless its drafter would first
-have to catch up on the tokens it missed (a draft model's prefill). A seeded sampled request is
+once to re-measure (the wait doubles while drafting stays off), paying its drafter's catch-up on
+the tokens it missed: a request that never probed again would never learn that drafts pay. A seeded sampled request is
 planned on fixed reference costs instead (``DraftRequest.reproducible``).
 
 ``FixedK`` drafts ``num_speculative_tokens`` every step (``adaptive=False``: for experiments).
@@ -168,7 +168,7 @@ class CostModel(SpeculationPolicy):
             state.idle, state.probe_after = 0, PROBE_AFTER
             return k
         state.idle += 1
-        if state.idle < state.probe_after or r.catch_up:  # a probe must not pay a catch-up (a prefill)
+        if state.idle < state.probe_after:
             return 0
         state.idle, state.probe_after = 0, min(2 * state.probe_after, PROBE_AFTER_MAX)
         return min(PROBE_K, r.limit)
