@@ -105,6 +105,9 @@ def test_a_request_off_drafting_probes_ever_more_rarely():
     assert [b - a for a, b in zip(probes, probes[1:])] == [32, 64]
     behind = _request(0.5, catch_up=40)  # a draft model that missed 40 tokens probes too, paying its catch-up
     assert PROBE_K in {policy.draft_lengths([behind])[0] for _ in range(20)}
+    policy.costs.record(StepTimes(rows=1, verify_s=STEP, catch_ups=[(40, 20 * STEP)]))  # ... unless it is dear
+    dear = _request(0.5, catch_up=40, remaining=100)
+    assert {policy.draft_lengths([dear])[0] for _ in range(200)} == {0}
     request.state.probe_after = PROBE_AFTER_MAX
     assert set(policy.draft_lengths([request])[0] for _ in range(PROBE_AFTER_MAX - 1)) == {0}
 

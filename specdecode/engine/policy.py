@@ -18,7 +18,8 @@ copy from a context match and its draft model); ``pick_sources`` takes, per requ
 the best expected rate, and acceptance and cost are learned per source name. A request at K = 0
 measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
 once to re-measure (the wait doubles while drafting stays off), paying its drafter's catch-up on
-the tokens it missed: a request that never probed again would never learn that drafts pay. A seeded sampled request is
+the tokens it missed when that is cheap beside the request's remaining time
+(``PROBE_CATCH_UP_SHARE``). A seeded sampled request is
 planned on fixed reference costs instead (``DraftRequest.reproducible``).
 
 ``FixedK`` drafts ``num_speculative_tokens`` every step (``adaptive=False``: for experiments).
@@ -37,6 +38,7 @@ from specdecode.engine.costs import PROBE_AFTER, REFERENCE_COSTS, Costs, Request
 
 PROBE_AFTER_MAX = 1024
 PROBE_K = 2
+PROBE_CATCH_UP_SHARE = 0.1  # most a probe's catch-up may cost, as a share of the request's plain time left
 # A draft must promise this much more than the step's current rate: the model leaves out what a
 # step spends beyond its forwards (sampling each row, bookkeeping).
 MARGIN = 1.05
@@ -168,10 +170,17 @@ class CostModel(SpeculationPolicy):
             state.idle, state.probe_after = 0, PROBE_AFTER
             return k
         state.idle += 1
-        if state.idle < state.probe_after:
+        if state.idle < state.probe_after or not self._probe_affordable(r):
             return 0
         state.idle, state.probe_after = 0, min(2 * state.probe_after, PROBE_AFTER_MAX)
         return min(PROBE_K, r.limit)
+
+    def _probe_affordable(self, r: DraftRequest) -> bool:
+        """Whether a probe's catch-up (a draft model's prefill of the tokens it missed) costs at
+        most ``PROBE_CATCH_UP_SHARE`` of the request's remaining tokens decoded plainly: a probe
+        that finds drafting still does not pay loses what it spent."""
+        costs, _ = self._basis(r)
+        return costs.catch_up(r.catch_up) <= PROBE_CATCH_UP_SHARE * r.remaining * costs.verify(1)
 
     def record(self, step: StepTimes) -> None:
         self.costs.record(step)
