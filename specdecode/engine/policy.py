@@ -141,6 +141,9 @@ class CostModel(SpeculationPolicy):
         Ties go to the earlier source."""
         picks = []
         for opts in options:
+            if len(opts) == 1:  # most drafters: nothing to weigh
+                picks.append(0)
+                continue
             rates = [self._solo_rate(r) for r in opts]
             picks.append(max(range(len(opts)), key=lambda i: (rates[i], -i)))
         return picks
