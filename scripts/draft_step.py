@@ -7,6 +7,7 @@ measurement behind that choice (docs/PERFORMANCE.md). Both paths run in one proc
 
     python scripts/draft_step.py --rows 1,2,5
     python scripts/draft_step.py --quantize int4 --rows 1,2
+    python scripts/draft_step.py --quantize int4 --rows 64,150 --repeat 5  # a prefill: fused chunks of 8 rows
     python scripts/draft_step.py --quantize int4 --rows 1,2,5 --target qwen2.5-coder-1.5b-instruct
 
 With ``--vocab``, it instead times the draft with its whole LM head against the same draft with
@@ -42,7 +43,7 @@ def main() -> None:
     args = p.parse_args()
     model = Decoder.from_dir(resolve_model(args.draft), role="draft",
                              quantize=None if args.quantize == "none" else args.quantize)
-    cache = model.new_cache(args.context + 64)
+    cache = model.new_cache(args.context + max(int(r) for r in args.rows.split(",")))
     model.forward(torch.randint(0, 1000, (args.context,)), cache, last_only=True)
     if args.vocab is not None:
         time_heads(model, cache, [int(n) for n in args.vocab.split(",")], args.rows, args.repeat)

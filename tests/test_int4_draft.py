@@ -32,9 +32,11 @@ def test_fused_forward_matches_the_torch_layers(tiny_models, arch):
     layered = model.with_backend(model.backend.layered())  # the same weights through the torch layers
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
     fused, plain = model.new_cache(64), model.new_cache(64)
-    model.forward(prompt[:30], fused, last_only=True)  # prefill: more rows than the fused path takes
-    layered.forward(prompt[:30], plain, last_only=True)
-    torch.testing.assert_close(fused.k, plain.k)
+    # A prefill longer than the fused forward's rows runs as consecutive chunks of them.
+    got = model.forward(prompt[:30], fused)
+    want = torch.cat([layered.forward(chunk, plain) for chunk in prompt[:30].split(draft_quant.INT4_MAX_ROWS)])
+    assert got.shape == want.shape == (30, 96) and _close(got, want)
+    assert _close(fused.k[:, :, :30], plain.k[:, :, :30]) and _close(fused.v[:, :, :30], plain.v[:, :, :30])
     offset = 30
     for n in (1, 3, draft_quant.INT4_MAX_ROWS):
         rows = prompt[offset - n : offset] if n > 1 else prompt[offset : offset + 1]

@@ -167,11 +167,16 @@ class Decoder:
         ancestors instead; see ``forward_batch``. ``capture`` receives the rows' hidden states.
         """
         fused = self.backend.fused
-        if fused is not None and tree is None and capture is None and tokens.shape[0] <= self.backend.fused_rows:
-            start = cache.reserve(tokens.shape[0])
-            rows = self.embed_tokens(tokens) if isinstance(self.embed, GGUFWeight) else tokens
-            return fused.forward(rows, cache.k, cache.v, start, last_only)
-        return self.forward_batch([(tokens, cache)], last_only, [tree], [capture])[0]
+        if fused is None or tree is not None or capture is not None:
+            return self.forward_batch([(tokens, cache)], last_only, [tree], [capture])[0]
+        # A long input (a prompt, a draft catching up) runs as consecutive chunks of the fused
+        # forward's rows, cheaper per token than the weights' many-rows copy (an int4 draft's
+        # prefill: docs/PERFORMANCE.md, `scripts/draft_step.py --quantize int4 --rows 150`).
+        start, most = cache.reserve(tokens.shape[0]), self.backend.fused_rows
+        rows = self.embed_tokens(tokens) if isinstance(self.embed, GGUFWeight) else tokens
+        chunks = [fused.forward(rows[i : i + most], cache.k, cache.v, start + i, last_only)
+                  for i in range(0, tokens.shape[0], most)]
+        return chunks[-1] if last_only else torch.cat(chunks)
 
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[tuple[Tensor, KVCache]], last_only: bool = False,
