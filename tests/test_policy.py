@@ -123,7 +123,7 @@ def test_recorded_steps_teach_acceptance_and_costs():
     assert policy.draft_lengths([request])[0] > 0  # the method's optimistic prior
     for _ in range(12):  # every first draft refused
         policy.record(StepTimes(rows=5, verify_s=STEP + 4 * 0.005, requests=[RequestOutcome("ngram", state, 4, 0, 0.0)]))
-    assert state.acceptance < 0.05 and policy.method_acceptance["ngram"] < 0.8
+    assert state.acceptance < 0.15 and policy.method_acceptance["ngram"] < 0.8
     assert policy.draft_lengths([request]) == [0]
     fresh = DraftRequest("ngram", 12, 100, state=RequestSpeculation())  # a new request starts from the method's rate
     assert policy.acceptance(fresh) == pytest.approx(policy.method_acceptance["ngram"])
@@ -193,3 +193,32 @@ def test_a_seeded_sampled_request_picks_its_source_without_timings():
                for a in (0.05, 0.3, 0.6, 0.9)]
     assert fast.pick_sources(options) == slow.pick_sources(options)
     assert fast.pick_sources(options)[0] == 1 and fast.pick_sources(options)[-1] == 0
+
+
+def test_one_refused_draft_does_not_turn_drafting_off_but_a_run_of_them_does():
+    """A request's acceptance starts from its method's and moves by each decided draft, so one
+    unlucky step leaves a good method drafting and a run of refusals stops it."""
+    policy = CostModel(_costs(row_s=0.008, draft_s=0.010))
+    policy.method_acceptance["draft_model"] = 0.85
+    state = RequestSpeculation()
+    request = DraftRequest("draft_model", 12, 100, state=state)
+
+    def refused_first_draft() -> None:
+        policy.record(StepTimes(rows=4, verify_s=STEP + 3 * 0.008, requests=[RequestOutcome("draft_model", state, 3, 0, 0.03)]))
+
+    refused_first_draft()
+    assert 0.7 < state.acceptance < 0.75 and policy.draft_lengths([request])[0] > 0
+    for _ in range(4):
+        refused_first_draft()
+    assert policy.draft_lengths([request]) == [0]
+
+
+def test_a_seeded_sampled_request_starts_from_the_fixed_prior_not_its_neighbours():
+    policy = CostModel(_costs(row_s=0.008, draft_s=0.010))
+    policy.method_acceptance["draft_model"] = 0.3
+    seeded, greedy = RequestSpeculation(), RequestSpeculation()
+    policy.record(StepTimes(rows=7, verify_s=STEP, requests=[
+        RequestOutcome("draft_model", greedy, 2, 2, 0.02),
+        RequestOutcome("draft_model", seeded, 2, 2, 0.02, reproducible=True)]))
+    assert seeded.acceptance == pytest.approx(0.8 + (1 - 0.85**2) * 0.2)
+    assert greedy.acceptance == pytest.approx(0.3 + (1 - 0.85**2) * 0.7)

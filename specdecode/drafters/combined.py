@@ -24,7 +24,7 @@ from specdecode.sequence import DraftProposal, SequenceState
 
 class CombinedDrafter(Drafter):
     name: ClassVar[str] = "combined"
-    draft_cost_prior: ClassVar[float] = 0.4  # the draft model's, where the context has no match
+    draft_cost_prior: ClassVar[float] = 0.3  # the draft model's, where the context has no match
 
     def __init__(self, draft: DraftModelDrafter | CrossVocabDrafter, copy: SuffixDrafter) -> None:
         self.draft, self.copy = draft, copy

@@ -59,7 +59,7 @@ class CrossVocabDrafter(Drafter):
     """A draft model of another vocabulary, translated through text (see the module docstring)."""
 
     name: ClassVar[str] = "draft_model"
-    draft_cost_prior: ClassVar[float] = 0.4  # a small draft model's step
+    draft_cost_prior: ClassVar[float] = 0.3  # a small draft model's step
     cross_vocabulary: ClassVar[bool] = True
 
     def __init__(self, draft: Decoder, draft_tokenizer: Tokenizer, target_tokenizer: Tokenizer,

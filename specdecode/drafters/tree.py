@@ -56,7 +56,7 @@ class TokenTrie:
 
 class TreeDrafter(Drafter):
     name: ClassVar[str] = "tree"
-    draft_cost_prior: ClassVar[float] = 0.4  # the draft model's chain
+    draft_cost_prior: ClassVar[float] = 0.3  # the draft model's chain
 
     def __init__(self, draft: DraftModelDrafter, branch_positions: int = 2, ngram_branches: int = 2,
                  max_nodes: int = 16, sibling_below: float = 0.8, ngram_min: int = 2, ngram_max: int = 4) -> None:

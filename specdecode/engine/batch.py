@@ -29,7 +29,7 @@ from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.engine.policy import DraftRequest, SpeculationPolicy
 from specdecode.drafters.base import DraftSource
 from specdecode.models.decoder import Decoder
-from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 
 HORIZON = 256  # most tokens a request is counted on to make: max_tokens bounds it, EOS often comes sooner
 
@@ -151,7 +151,8 @@ class Batch:
                     work, source = works.get(m), sources[m]
                     step.requests.append(RequestOutcome(source.name, gen.speculation_for(source.name),
                                                         gen.proposal.depth, gen.accepted,
-                                                        work.seconds - work.catch_up_s if work else 0.0))
+                                                        work.seconds - work.catch_up_s if work else 0.0,
+                                                        reproducible=_reproducible(gen.seq)))
                     gen.stats.free_drafts += bool(gen.proposal.k) and source.cost_prior == 0
                 if gen.finished:
                     out.events.append((m, gen.finish()))
@@ -204,4 +205,9 @@ def _draft_request(gen: Generation, source: DraftSource) -> DraftRequest:
     k_max = gen.k_max if source.limit is None else min(gen.k_max, source.limit)
     return DraftRequest(source.name, k_max, gen.draft_room(), gen.adaptive, source.catch_up,
                         min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation_for(source.name),
-                        source.cost_prior, reproducible=not seq.params.greedy and seq.params.seed is not None)
+                        source.cost_prior, reproducible=_reproducible(seq))
+
+
+def _reproducible(seq: SequenceState) -> bool:
+    """A seeded sampled request: its draws follow its K, so K must not follow timings or neighbours."""
+    return not seq.params.greedy and seq.params.seed is not None

@@ -17,8 +17,9 @@ from typing import Protocol
 EMA = 0.2  # weight of a new measurement in its running mean
 PROBE_AFTER = 16  # steps at K = 0 before a request re-measures its acceptance (policy.py)
 # Before two row counts are measured, an extra row is taken to cost this share of a one-row
-# step: about what the quantized target's extra rows cost on AVX2 (docs/GGUF_NATIVE.md).
-ROW_SHARE_PRIOR = 0.35
+# step: the quantized target's extra rows cost about 0.2 of one on VNNI and 0.3 on AVX2
+# (`specdecode verify-cost`, docs/GGUF_NATIVE.md).
+ROW_SHARE_PRIOR = 0.25
 
 
 class DraftCostKey(Protocol):
@@ -43,7 +44,7 @@ class RequestSpeculation:
     """What the speculation policy learned about one request: its acceptance and its steps
     without drafts."""
 
-    acceptance: float | None = None  # per draft, given the ones before survived; None: not measured
+    acceptance: float | None = None  # per draft, given the ones before survived; None: none decided yet
     idle: int = 0  # steps in a row at K = 0
     probe_after: int = PROBE_AFTER
 
@@ -57,6 +58,7 @@ class RequestOutcome:
     drafted: int = 0  # positions drafted (a tree's depth)
     accepted: int = 0
     draft_s: float = 0.0  # drafting time charged to this request, catch-ups excluded
+    reproducible: bool = False  # a seeded sampled request: its acceptance starts from no other request's
 
     @property
     def decided(self) -> int:

@@ -45,7 +45,10 @@ MARGIN = 1.05
 # Acceptance a method starts from before any of its drafts were verified: optimistic, so a new
 # method drafts and gets measured; its requests' measured rates replace it within a few steps.
 PRIOR_ACCEPTANCE = 0.8
-REQUEST_EMA = 0.3  # weight of one step's drafts in its request's acceptance
+# Weight of one decided draft in its request's acceptance, which starts from its method's: one
+# refused first draft moves 0.85 to 0.72, so it takes a run of refusals, not one unlucky step,
+# to turn a request's drafting off, and a probe's two kept drafts count for more than one.
+DRAFT_EMA = 0.15
 METHOD_EMA = 0.05  # weight of one request-step in its method's acceptance (new requests start there)
 
 
@@ -192,7 +195,11 @@ class CostModel(SpeculationPolicy):
                 continue
             rate = outcome.accepted / outcome.decided
             state = outcome.state
-            state.acceptance = rate if state.acceptance is None else (1 - REQUEST_EMA) * state.acceptance + REQUEST_EMA * rate
+            start = state.acceptance
+            if start is None:  # where ``acceptance`` had it before: its method's, or the fixed prior
+                start = PRIOR_ACCEPTANCE if outcome.reproducible else self.method_acceptance.get(outcome.method, PRIOR_ACCEPTANCE)
+            weight = 1 - (1 - DRAFT_EMA) ** outcome.decided
+            state.acceptance = start + weight * (rate - start)
             old = self.method_acceptance.get(outcome.method)
             self.method_acceptance[outcome.method] = rate if old is None else (1 - METHOD_EMA) * old + METHOD_EMA * rate
 
