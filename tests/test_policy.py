@@ -14,8 +14,8 @@ STEP = 0.040  # one verify row, seconds
 
 def _costs(row_s: float, draft_s: float = 0.0, method: str = "draft_model", max_rows: int = 64) -> StepCosts:
     """A verify forward of r rows costs STEP + row_s * (r - 1); drafting ``draft_s`` a token."""
-    costs = StepCosts(verify_by_rows={r: STEP + row_s * (r - 1) for r in range(1, max_rows + 1)})
-    costs.draft_token_s[method] = draft_s
+    costs = StepCosts(step_s=STEP, shape={r: 1 + row_s / STEP * (r - 1) for r in range(2, max_rows + 1)})
+    costs.draft_token_steps[method] = draft_s / STEP
     return costs
 
 
@@ -50,7 +50,7 @@ def test_a_solo_request_drafts_the_k_of_the_best_expected_rate(acceptance, row_s
 
 def test_free_drafts_pay_at_lower_acceptance_than_model_drafts():
     cheap_rows = _costs(row_s=0.012, draft_s=0.0, method="ngram")
-    cheap_rows.draft_token_s["draft_model"] = 0.019
+    cheap_rows.draft_token_steps["draft_model"] = 0.019 / STEP
     policy = CostModel(cheap_rows)
     free, paid = policy.draft_lengths([_request(0.5, method="ngram")]), policy.draft_lengths([_request(0.5)])
     assert free[0] > 0 and paid == [0]
@@ -129,7 +129,7 @@ def test_recorded_steps_teach_acceptance_and_costs():
     assert policy.acceptance(fresh) == pytest.approx(policy.method_acceptance["ngram"])
 
 
-def test_verify_costs_are_read_through_a_fitted_line():
+def test_verify_costs_are_a_level_times_a_shape_read_through_a_fitted_line():
     costs = StepCosts()
     assert costs.verify(4) == 0.0 and not costs.verify_measured
     costs.record(StepTimes(rows=1, verify_s=0.040))
@@ -170,7 +170,7 @@ def test_a_long_copy_is_picked_over_the_draft_model_and_a_failing_copy_is_not():
     """``pick_sources``: a free copy at good acceptance beats a paid draft at the same; a copy
     that keeps failing loses to the draft model."""
     costs = _costs(row_s=0.008, draft_s=0.012)
-    costs.draft_token_s["suffix/match8"] = 0.0
+    costs.draft_token_steps["suffix/match8"] = 0.0
     policy = CostModel(costs)
     copy, model = _request(0.8, method="suffix/match8"), _request(0.8)
     assert policy.pick_sources([[copy, model]]) == [0]
@@ -222,3 +222,32 @@ def test_a_seeded_sampled_request_starts_from_the_fixed_prior_not_its_neighbours
         RequestOutcome("draft_model", seeded, 2, 2, 0.02, reproducible=True)]))
     assert seeded.acceptance == pytest.approx(0.8 + (1 - 0.85**2) * 0.2)
     assert greedy.acceptance == pytest.approx(0.3 + (1 - 0.85**2) * 0.7)
+
+
+def test_a_spell_of_load_slows_drafts_and_verifies_alike_and_leaves_the_choice_alone():
+    """Drafts are costed in the one-row steps measured beside them: while another process
+    triples every forward the draft model keeps drafting, and afterwards it is neither held to
+    the seconds it cost during the spell nor kept from its quiet K."""
+    policy = CostModel(_costs(row_s=0.008, draft_s=0.010))
+    request = _request(0.85)
+    (k_quiet,) = policy.draft_lengths([request])
+    assert k_quiet > 0
+
+    def steps(load: float, drafted: bool) -> None:
+        policy.record(StepTimes(rows=1, verify_s=load * STEP))
+        if drafted:
+            policy.record(StepTimes(rows=1 + k_quiet, verify_s=load * (STEP + 0.008 * k_quiet), requests=[
+                RequestOutcome("draft_model", RequestSpeculation(), k_quiet, k_quiet, load * 0.010 * k_quiet)]))
+
+    def as_good_as_quiet() -> bool:  # K within the margin of the best rate at the quiet costs
+        (k,) = policy.draft_lengths([request])
+        return _rate(0.85, k, 0.008, 0.010) * MARGIN >= max(_rate(0.85, j, 0.008, 0.010) for j in range(13))
+
+    for _ in range(30):  # three times slower, verifies and drafts alike
+        steps(3.0, drafted=True)
+    assert policy.costs.draft_token(request) == pytest.approx(3 * 0.010, rel=0.05)
+    assert as_good_as_quiet()
+    for _ in range(30):  # quiet again, plain steps only: the draft model is not measured meanwhile
+        steps(1.0, drafted=False)
+    assert policy.costs.draft_token(request) == pytest.approx(0.010, rel=0.1)  # not the 0.030 of the spell
+    assert as_good_as_quiet()

@@ -2,11 +2,14 @@
 
 The speculation policy (``policy.py``) weighs drafts against these. A verify forward's time grows
 with its rows once the matmuls turn compute-bound (on a 2-core CPU each extra row of a quantized
-target costs a share of a whole step), so it is kept by row count and read through a line
-fitted to the row counts measured: ``a + b (rows - 1)``. Drafting is kept per method as seconds
-per drafted token (free drafters measure near 0), and a draft model's catch-up (feeding tokens
-it missed, a prefill) by its size. Each estimate is a running mean, so it follows the
-machine's load.
+target costs a share of a whole step). It is kept as a level and a shape learned apart: the
+level is the one-row step's seconds now, which every step updates whatever its rows; the shape
+is each row count's cost in one-row steps, learned slowly and read through a line fitted to
+the counts measured (``1 + b (rows - 1)``) where a count was not. Drafting is kept per method as
+the cost of a drafted token, and a draft model's catch-up (feeding tokens it missed, a prefill)
+by its size, both in one-row steps too. So a spell of load (another process on a 2-core
+machine), which slows every forward alike, moves the level alone: it changes no choice, and a
+row count or a method not used since then is not held to what it cost during the spell.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 EMA = 0.2  # weight of a new measurement in its running mean
+SHAPE_EMA = 0.1  # the same for a row count's cost in one-row steps: slower, so load moves the level
 PROBE_AFTER = 16  # steps at K = 0 before a request re-measures its acceptance (policy.py)
 # Before two row counts are measured, an extra row is taken to cost this share of a one-row
 # step: the quantized target's extra rows cost about 0.2 of one on VNNI and 0.3 on AVX2
@@ -78,41 +82,37 @@ class StepTimes:
 
 @dataclass(slots=True)
 class StepCosts:
-    """Running estimates of the costs a step is made of."""
+    """Running estimates of the costs a step is made of (see the module docstring)."""
 
-    verify_by_rows: dict[int, float] = field(default_factory=dict)
-    draft_token_s: dict[str, float] = field(default_factory=dict)  # by method
-    # catch-ups by size (the bit length of their token count): running means of (tokens, seconds)
+    step_s: float | None = None  # the level: a one-row verify forward's seconds now; None: not measured
+    shape: dict[int, float] = field(default_factory=dict)  # rows -> cost in one-row steps (rows > 1)
+    draft_token_steps: dict[str, float] = field(default_factory=dict)  # by method, in one-row steps
+    # catch-ups by size (the bit length of their token count): running means of (tokens, one-row steps)
     catch_up_by_size: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def verify_measured(self) -> bool:
-        return bool(self.verify_by_rows)
+        return self.step_s is not None
 
     def verify(self, rows: int) -> float:
         """Seconds of a verify forward over ``rows`` rows (0.0 before any was measured)."""
-        if rows in self.verify_by_rows:
-            return self.verify_by_rows[rows]
-        a, b = self._line()
-        return max(a + b * (rows - 1), 0.0)
+        return 0.0 if self.step_s is None else self.step_s * self.steps(rows)
 
-    def _line(self) -> tuple[float, float]:
-        """Least squares ``a + b (rows - 1)`` over the measured row counts (equal weights); one
-        count measured: the prior share per row."""
-        points = sorted(self.verify_by_rows.items())
-        if not points:
-            return 0.0, 0.0
-        if len(points) == 1:
-            rows, s = points[0]
-            a = s / (1 + ROW_SHARE_PRIOR * (rows - 1))
-            return a, ROW_SHARE_PRIOR * a
-        return _fit([(r - 1, s) for r, s in points])
+    def steps(self, rows: int) -> float:
+        """A verify forward over ``rows`` rows in one-row steps: as measured, else through the line
+        ``1 + b (rows - 1)`` fitted to the counts measured (before any: the prior share a row)."""
+        if rows <= 1:
+            return 1.0
+        if rows in self.shape:
+            return self.shape[rows]
+        points = [(r - 1, s - 1) for r, s in self.shape.items()]
+        b = sum(x * y for x, y in points) / sum(x * x for x, _ in points) if points else ROW_SHARE_PRIOR
+        return 1.0 + max(b, 0.0) * (rows - 1)
 
     def draft_token(self, request: DraftCostKey) -> float:
-        """Seconds per drafted token of the request's method; until measured, its drafter's prior
-        share of a one-row step."""
-        measured = self.draft_token_s.get(request.method)
-        return measured if measured is not None else request.draft_cost_prior * self.verify(1)
+        """Seconds per drafted token of the request's method: its measured share of a one-row
+        step (until measured, its drafter's prior) times that step."""
+        return self.draft_token_steps.get(request.method, request.draft_cost_prior) * self.verify(1)
 
     def catch_up(self, tokens: int) -> float:
         """Seconds to feed ``tokens`` through a draft model: a line through the catch-up sizes
@@ -123,21 +123,31 @@ class StepCosts:
         if not points:
             return 0.0
         if len(points) == 1:
-            n, s = points[0]
-            return s * min(tokens / n, 1.0)
+            n, steps = points[0]
+            return steps * min(tokens / n, 1.0) * self.verify(1)
         a, b = _fit(points)
-        return max(a + b * tokens, 0.0)
+        return max(a + b * tokens, 0.0) * self.verify(1)
 
     def record(self, step: StepTimes) -> None:
-        self.verify_by_rows[step.rows] = _ema(self.verify_by_rows.get(step.rows), step.verify_s)
+        # This step's one-row step: its time over its rows' cost in one-row steps. The level moves
+        # first, so a change of load shows in the level before it shows in the shape.
+        unit = step.verify_s / self.steps(step.rows)
+        self.step_s = _ema(self.step_s, unit)
+        if step.rows > 1:
+            sample = step.verify_s / self.step_s
+            old = self.shape.get(step.rows)
+            self.shape[step.rows] = sample if old is None else (1 - SHAPE_EMA) * old + SHAPE_EMA * sample
+        if unit <= 0:
+            return
         for tokens, seconds in step.catch_ups:
             size = tokens.bit_length()
-            old = self.catch_up_by_size.get(size)
-            self.catch_up_by_size[size] = (tokens, seconds) if old is None else (_ema(old[0], tokens), _ema(old[1], seconds))
+            old_point = self.catch_up_by_size.get(size)
+            steps = seconds / unit
+            self.catch_up_by_size[size] = (tokens, steps) if old_point is None else (_ema(old_point[0], tokens), _ema(old_point[1], steps))
         for outcome in step.requests:
             if outcome.drafted:
-                per_token = outcome.draft_s / outcome.drafted
-                self.draft_token_s[outcome.method] = _ema(self.draft_token_s.get(outcome.method), per_token)
+                per_token = outcome.draft_s / outcome.drafted / unit
+                self.draft_token_steps[outcome.method] = _ema(self.draft_token_steps.get(outcome.method), per_token)
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
