@@ -61,8 +61,9 @@ class SpecConfig:
     """The speculation policy (``engine/policy.py``) picks each request's draft length every step,
     up to K and 0 included, from measured costs and the request's acceptance; False: K every step."""
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE
-    """A draft model stops drafting once its probability for the draft so far (the product of
-    its token probabilities) falls below this; 0 never stops early."""
+    """At a fixed K (``adaptive=False``), a draft model stops drafting once its probability for
+    the draft so far (the product of its token probabilities) falls below this; 0 never stops
+    early. With ``adaptive``, the speculation policy sets this stop each step from costs."""
     draft_vocab: int | None = None
     """A draft model's LM head computes only the logits of this many tokens, those the target
     writes most (the shipped ranking; exactness is unaffected): 0 is the whole head, None the

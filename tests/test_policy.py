@@ -251,3 +251,23 @@ def test_a_spell_of_load_slows_drafts_and_verifies_alike_and_leaves_the_choice_a
         steps(1.0, drafted=False)
     assert policy.costs.draft_token(request) == pytest.approx(0.010, rel=0.1)  # not the 0.030 of the spell
     assert as_good_as_quiet()
+
+
+def test_a_confident_drafter_may_draft_further_and_stops_where_a_further_draft_stops_paying():
+    """SpecDec++ priced by the cost model: a drafter that knows its confidence gets a longer
+    reach than its average acceptance would give, and a stop that rises with what a further
+    draft costs against the step's rate; a drafter without confidence keeps its K."""
+    policy = CostModel(_costs(row_s=0.008, draft_s=0.010))
+    plain = _request(0.8)
+    confident = _request(0.8, confident=True)
+    [(k_plain, no_stop)] = policy.plan([plain])
+    [(reach, stop)] = policy.plan([confident])
+    assert no_stop is None and reach > k_plain > 0
+    # the stop: a further draft's expected token (product so far times acceptance) against its cost
+    tokens = sum(0.8**j for j in range(k_plain + 1))
+    rate = tokens / (STEP + k_plain * (0.008 + 0.010))
+    assert stop == pytest.approx(MARGIN * rate * (0.008 + 0.010) / 0.8)
+    dearer = CostModel(_costs(row_s=0.010, draft_s=0.013))
+    [(_, dear_stop)] = dearer.plan([confident])
+    assert dear_stop > stop
+    assert CostModel(_costs(row_s=0.008, draft_s=0.010)).plan([_request(0.8, confident=True, adaptive=False, k_max=5)]) == [(5, None)]

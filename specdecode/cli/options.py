@@ -72,9 +72,10 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
                             "from measured costs and acceptance (0 included); the draft model still stops "
                             "early by --draft-confidence (0 there: exactly K)")
     p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
-                   help="draft model: stop drafting once the draft's probability for its draft so far "
-                        "(the product of its token probabilities) falls below this; 0 never stops "
-                        "early (default: %(default)s)")
+                   help="with --fixed-k, a draft model stops drafting once its probability for its draft "
+                        "so far (the product of its token probabilities) falls below this; 0 never stops "
+                        "early (default: %(default)s). Otherwise the speculation policy sets this stop "
+                        "each step from measured costs")
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default=DEFAULT_DRAFT_QUANTIZE,
                    help="draft weights: int4 (4-bit weights and one native call per draft step, on "
                         "x86 CPUs with AVX2; else int8), int8 (cheaper drafts than float) or none "

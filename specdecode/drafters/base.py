@@ -70,6 +70,8 @@ class DraftSource:
     draft: Callable[[SequenceState, int], Drafting]  # (seq, k) -> the drafting coroutine
     limit: int | None = None  # the most drafts it can give now (a match's continuation); None: any
     catch_up: int = 0  # tokens its model must feed first (``Drafter.catch_up``)
+    # sets the confidence stop of this step's drafting (``Drafter.set_confidence``); None: it has none
+    stop: Callable[[float], None] | None = None
 
 
 def copy_source(name: str, tokens: list[int]) -> DraftSource:
@@ -134,7 +136,9 @@ class Drafter(ABC):
     cost as a share of a target step, which the policy assumes until it has measured the method
     (and always for seeded sampled requests): 0 for drafters that look tokens up. ``needs_hidden_states``:
     every target forward captures the states of ``hidden_layers`` (see ``HiddenCapture``) and
-    the drafter gets them through ``observe_hidden`` (trained heads).
+    the drafter gets them through ``observe_hidden`` (trained heads). ``stops_by_confidence``:
+    its drafts come with their probabilities and it stops once their product falls below
+    ``confidence``, which the policy sets each step (``set_confidence``; SpecDec++).
     """
 
     name: ClassVar[str]
@@ -142,6 +146,8 @@ class Drafter(ABC):
     draft_cost_prior: ClassVar[float] = 0.0
     needs_hidden_states: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = ()
+    stops_by_confidence: ClassVar[bool] = False
+    confidence: float = 0.0
 
     def begin(self, seq: SequenceState) -> None:
         """A new request: index the prompt, prefill a draft model, reset state."""
@@ -160,8 +166,15 @@ class Drafter(ABC):
     def sources(self, seq: SequenceState) -> tuple[DraftSource, ...]:
         """The ways this drafter can draft the coming step (see ``DraftSource``), the one to
         prefer at equal merit first; the step loop asks just before drafting. The default: the
-        drafter itself, at its cost prior and catch-up."""
-        return (DraftSource(self.name, self.draft_cost_prior, self.drafting, catch_up=self.catch_up(seq)),)
+        drafter itself, at its cost prior, catch-up and confidence stop."""
+        stop = self.set_confidence if self.stops_by_confidence else None
+        return (DraftSource(self.name, self.draft_cost_prior, self.drafting, catch_up=self.catch_up(seq), stop=stop),)
+
+    def set_confidence(self, confidence: float) -> None:
+        """Stop the coming drafts once the product of their probabilities falls below
+        ``confidence`` (the last one is still proposed); the speculation policy sets it each step
+        from what a further draft costs (``stops_by_confidence`` drafters read it)."""
+        self.confidence = confidence
 
     def observe(self, logits: Tensor) -> None:
         """The verify forward's logits [rows, V], before ``accept`` (drafters that learn from them)."""

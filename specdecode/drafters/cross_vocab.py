@@ -60,6 +60,7 @@ class CrossVocabDrafter(Drafter):
 
     name: ClassVar[str] = "draft_model"
     draft_cost_prior: ClassVar[float] = 0.3  # a small draft model's step
+    stops_by_confidence: ClassVar[bool] = True
     cross_vocabulary: ClassVar[bool] = True
 
     def __init__(self, draft: Decoder, draft_tokenizer: Tokenizer, target_tokenizer: Tokenizer,

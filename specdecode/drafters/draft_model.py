@@ -43,6 +43,7 @@ from specdecode.sample.sampling import greedy, logits_to_probs, sample
 class DraftModelDrafter(Drafter):
     name: ClassVar[str] = "draft_model"
     draft_cost_prior: ClassVar[float] = 0.3  # an int4 0.5B draft's step against the 1.5B target's (0.24 on Zen 4)
+    stops_by_confidence: ClassVar[bool] = True
 
     def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int, confidence: float = 0.0) -> None:
         # The draft's full vocabulary, even when its head computes only part of it.

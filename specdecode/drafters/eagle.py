@@ -40,6 +40,7 @@ _EMPTY = DraftProposal(torch.empty(0, dtype=torch.long), None)
 class EagleDrafter(Drafter):
     name: ClassVar[str] = "eagle"
     draft_cost_prior: ClassVar[float] = 0.1  # one decoder layer and the LM head
+    stops_by_confidence: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = True
 
     def __init__(self, head: Eagle3Head, target: Decoder, capacity: int, confidence: float = 0.0,

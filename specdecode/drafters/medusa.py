@@ -31,6 +31,7 @@ from specdecode.models.decoder import Decoder
 class MedusaDrafter(Drafter):
     name: ClassVar[str] = "medusa"
     draft_cost_prior: ClassVar[float] = 0.05  # a residual block and a head per position
+    stops_by_confidence: ClassVar[bool] = True
     needs_hidden_states: ClassVar[bool] = True
 
     def __init__(self, heads: MedusaHeads, target: Decoder, confidence: float = 0.0, tree_width: int = 0,

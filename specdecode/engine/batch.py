@@ -182,12 +182,14 @@ class Batch:
         options = [opts for opts in options if opts]
         picks = self.policy.pick_sources([[r for _, r in opts] for opts in options]) if options else []
         chosen = [opts[i] for opts, i in zip(options, picks)]
-        ks = self.policy.draft_lengths([r for _, r in chosen], running, self.cap) if chosen else []
-        self.last_k = max(ks, default=0)
+        plans = self.policy.plan([r for _, r in chosen], running, self.cap) if chosen else []
+        self.last_k = max((k for k, _ in plans), default=0)
         works: dict[Member, DraftWork] = {}
         picked: dict[Member, DraftSource] = {}
-        for m, (source, request), k in zip(members, chosen, ks):
+        for m, (source, request), (k, stop) in zip(members, chosen, plans):
             picked[m] = source
+            if stop is not None and source.stop is not None:
+                source.stop(stop)
             if k > 0:  # a seeded sampled request drafts as it would alone, so its draws are too
                 works[m] = DraftWork(source.draft(m.gen.seq, k), alone=request.reproducible)
         draft_all(list(works.values()))
@@ -205,7 +207,7 @@ def _draft_request(gen: Generation, source: DraftSource) -> DraftRequest:
     k_max = gen.k_max if source.limit is None else min(gen.k_max, source.limit)
     return DraftRequest(source.name, k_max, gen.draft_room(), gen.adaptive, source.catch_up,
                         min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation_for(source.name),
-                        source.cost_prior, reproducible=_reproducible(seq))
+                        source.cost_prior, reproducible=_reproducible(seq), confident=source.stop is not None)
 
 
 def _reproducible(seq: SequenceState) -> bool:

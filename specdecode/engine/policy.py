@@ -42,6 +42,9 @@ PROBE_CATCH_UP_SHARE = 0.1  # most a probe's catch-up may cost, as a share of th
 # A draft must promise this much more than the step's current rate: the model leaves out what a
 # step spends beyond its forwards (sampling each row, bookkeeping).
 MARGIN = 1.05
+# How sure a confident drafter's run may be taken to be when sizing the most it may draft: its
+# own probabilities then stop it where it grows unsure (``CostModel.confidence_stops``).
+CONFIDENT_ACCEPTANCE = 0.95
 # Acceptance a method starts from before any of its drafts were verified: optimistic, so a new
 # method drafts and gets measured; its requests' measured rates replace it within a few steps.
 PRIOR_ACCEPTANCE = 0.8
@@ -76,6 +79,7 @@ class DraftRequest:
     state: RequestSpeculation = field(default_factory=RequestSpeculation)
     draft_cost_prior: float = 0.0  # a drafted token's cost as a share of a step, until measured
     reproducible: bool = False  # a seeded sampled request: its K may not depend on timings or neighbours
+    confident: bool = False  # its drafter stops by its own confidence, at a threshold the policy sets
 
     @property
     def limit(self) -> int:
@@ -91,16 +95,28 @@ class SpeculationPolicy(ABC):
 
     def draft_lengths(self, requests: Sequence[DraftRequest], running: int | None = None,
                       cap: Callable[[int], int | None] | None = None) -> list[int]:
-        """``choose``, within each request's room and ``cap``'s limit for ``running`` requests
-        (default: those given)."""
+        """Each request's draft length: ``plan`` without the confidence stops."""
+        return [k for k, _ in self.plan(requests, running, cap)]
+
+    def plan(self, requests: Sequence[DraftRequest], running: int | None = None,
+             cap: Callable[[int], int | None] | None = None) -> list[tuple[int, float | None]]:
+        """``choose`` and ``confidence_stops``, within each request's room and ``cap``'s limit for
+        ``running`` requests (default: those given): each request's draft length and stop."""
         cap = None if cap is None else cap(len(requests) if running is None else running)
         capped = [r if cap is None else _with_limit(r, min(r.limit, cap)) for r in requests]
-        return [min(k, r.limit) for k, r in zip(self.choose(capped), capped)]
+        ks = [min(k, r.limit) for k, r in zip(self.choose(capped), capped)]
+        return [(min(k, r.limit), stop) for (k, stop), r in zip(self.confidence_stops(capped, ks), capped)]
 
     def pick_sources(self, options: Sequence[Sequence[DraftRequest]]) -> list[int]:
         """For each request, which of its draft sources (``Drafter.sources``, one ``DraftRequest``
         each) drafts this step, as an index into its options. The default: the first."""
         return [0] * len(options)
+
+    def confidence_stops(self, requests: Sequence[DraftRequest], ks: Sequence[int]) -> list[tuple[int, float | None]]:
+        """For requests about to draft ``ks``: each one's draft length and, for a ``confident``
+        request, the probability below which its drafting stops (None: its drafter's own
+        setting). The default changes nothing."""
+        return [(k, None) for k in ks]
 
     def record(self, step: StepTimes) -> None:
         """A step's measured costs and outcomes (policies that learn override this)."""
@@ -150,6 +166,30 @@ class CostModel(SpeculationPolicy):
             rates = [self._solo_rate(r) for r in opts]
             picks.append(max(range(len(opts)), key=lambda i: (rates[i], -i)))
         return picks
+
+    def confidence_stops(self, requests: Sequence[DraftRequest], ks: Sequence[int]) -> list[tuple[int, float | None]]:
+        """SpecDec++'s stop, priced by the cost model: a confident request may draft as far as a
+        run its drafter is sure of would pay (K chosen at ``CONFIDENT_ACCEPTANCE``), and stops
+        once the chance that its drafts so far all survive, times its acceptance (the next
+        draft's expected token), no longer repays a further draft at the step's rate:
+        ``product < MARGIN * rate * cost / acceptance``. Others keep their K."""
+        plans: list[tuple[int, float | None]] = []
+        for r, k in zip(requests, ks):
+            if not (r.confident and r.adaptive and k):
+                plans.append((k, None))
+                continue
+            costs, acceptance = self._basis(r)
+            together = [q for q, j in zip(requests, ks) if not q.reproducible] if not r.reproducible else [r]
+            kept = [j for q, j in zip(requests, ks) if not q.reproducible] if not r.reproducible else [k]
+            rows = len(together) + sum(kept)
+            tokens = sum(_expected(acceptance(q), j) for q, j in zip(together, kept))
+            seconds = costs.verify(rows) + sum(costs.draft_token(q) * j for q, j in zip(together, kept))
+            cost = costs.draft_token(r) + costs.verify(rows + 1) - costs.verify(rows)
+            threshold = MARGIN * tokens / seconds * cost / max(acceptance(r), 1e-3) if seconds > 0 else 0.0
+            confident = dataclasses.replace(r, state=RequestSpeculation(acceptance=max(acceptance(r), CONFIDENT_ACCEPTANCE)))
+            [reach] = _allocate([confident], costs, lambda q: q.state.acceptance)
+            plans.append((max(k, reach), min(threshold, 0.99)))
+        return plans
 
     def _basis(self, r: DraftRequest) -> tuple[Costs, Callable[[DraftRequest], float]]:
         """The costs and acceptance ``r`` is planned on: fixed reference costs and its own
