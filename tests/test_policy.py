@@ -271,3 +271,12 @@ def test_a_confident_drafter_may_draft_further_and_stops_where_a_further_draft_s
     [(_, dear_stop)] = dearer.plan([confident])
     assert dear_stop > stop
     assert CostModel(_costs(row_s=0.008, draft_s=0.010)).plan([_request(0.8, confident=True, adaptive=False, k_max=5)]) == [(5, None)]
+
+
+def test_a_catch_up_measured_under_load_never_shuts_its_draft_model_out():
+    """A prompt's catch-up timed while another process held the cores is read as no dearer than
+    feeding its tokens one forward each, so the draft model still drafts where that pays."""
+    costs = _costs(row_s=0.008, draft_s=0.010)
+    costs.catch_up_by_size[8] = (200, 200.0)  # 200 tokens in 200 one-row steps: 8 s, a spell of load
+    request = _request(0.85, catch_up=200, remaining=512)
+    assert CostModel(costs).draft_lengths([request])[0] > 0

@@ -204,7 +204,7 @@ class CostModel(SpeculationPolicy):
         tokens = _expected(acceptance(r), k)
         seconds = costs.verify(1 + k) + k * costs.draft_token(r)
         if k and r.catch_up:
-            seconds += costs.catch_up(r.catch_up) / max(r.remaining / tokens, 1.0)
+            seconds += _catch_up(costs, r) / max(r.remaining / tokens, 1.0)
         return tokens / seconds if seconds > 0 else tokens
 
     def _probe(self, r: DraftRequest, k: int) -> int:
@@ -226,7 +226,7 @@ class CostModel(SpeculationPolicy):
         most ``PROBE_CATCH_UP_SHARE`` of the request's remaining tokens decoded plainly: a probe
         that finds drafting still does not pay loses what it spent."""
         costs, _ = self._basis(r)
-        return costs.catch_up(r.catch_up) <= PROBE_CATCH_UP_SHARE * r.remaining * costs.verify(1)
+        return _catch_up(costs, r) <= PROBE_CATCH_UP_SHARE * r.remaining * costs.verify(1)
 
     def record(self, step: StepTimes) -> None:
         self.costs.record(step)
@@ -260,7 +260,7 @@ def _allocate(requests: Sequence[DraftRequest], costs: Costs, acceptance: Callab
             gain = acceptance(r) ** (ks[i] + 1)
             cost = costs.draft_token(r) / sharing[r.method] + costs.verify(rows + 1) - costs.verify(rows)
             if ks[i] == 0 and r.catch_up:
-                cost += costs.catch_up(r.catch_up) / max(r.remaining / (1 + gain), 1.0)  # over the steps left
+                cost += _catch_up(costs, r) / max(r.remaining / (1 + gain), 1.0)  # over the steps left
             if best < 0 or gain * best_cost > best_gain * cost:
                 best, best_gain, best_cost = i, gain, cost
         if best < 0 or best_gain * seconds <= MARGIN * tokens * best_cost:
@@ -269,6 +269,13 @@ def _allocate(requests: Sequence[DraftRequest], costs: Costs, acceptance: Callab
         rows += 1
         tokens += best_gain
         seconds += best_cost
+
+
+def _catch_up(costs: Costs, r: DraftRequest) -> float:
+    """Seconds of ``r``'s catch-up: as measured, but never more than feeding its tokens one
+    forward each would cost (its drafted tokens' cost), a bound that keeps one catch-up slowed by
+    another process from shutting its draft model out for good."""
+    return min(costs.catch_up(r.catch_up), r.catch_up * costs.draft_token(r)) if r.catch_up else 0.0
 
 
 def _clamp(acceptance: float | None, default: float) -> float:
