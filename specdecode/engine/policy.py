@@ -13,6 +13,10 @@ a^j expected tokens and costs its draft time plus one verify row. Drafts are add
 time, best gain per second first, while each adds more tokens per second than the step makes
 at its current rate: so a request drafts nothing when not even its first draft repays itself (a
 plain step), and a step of many requests, whose extra rows cost integer compute, drafts less.
+A request's acceptance starts from its method's and moves with each draft decided
+(``DRAFT_EMA``). A drafter that knows its confidence (``Drafter.stops_by_confidence``) may reach
+further than the request's average acceptance would draft and stops where the product of its
+probabilities says a further draft no longer repays itself (``confidence_stops``, SpecDec++).
 A drafter may offer several sources for a step (``Drafter.sources``: ``combined`` offers a free
 copy from a context match and its draft model); ``pick_sources`` takes, per request, the one with
 the best expected rate, and acceptance and cost are learned per source name. A request at K = 0
