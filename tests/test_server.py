@@ -20,6 +20,7 @@ from server_support import LiveServer, SlowJobs, assert_openai_error, metric, re
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import PromptTooLongError
+from specdecode.sample.grammar import GrammarCompiler
 from specdecode.server.app import create_app
 from specdecode.server.scheduler import JobQueue, Scheduler
 
@@ -356,6 +357,11 @@ BAD_REQUESTS = [
      "structured_outputs.grammar", "not valid"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "ignore_eos": True, "response_format": {"type": "json_object"}},
      400, "ignore_eos", "structured output"),
+    # beyond llguidance's limits (items per parser row; expressions in a lexer): named, and before the queue
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"choice": [str(i) for i in range(2500)]}},
+     400, "structured_outputs.choice", "limits: Parser Error: Current row has 2501 items"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "a{99999999}"}},
+     400, "structured_outputs.regex", "limits: lexer error"),
 ]
 
 
@@ -367,6 +373,18 @@ def test_bad_request_gets_openai_error(live, path, body, status, param, words):
     assert err["param"] == param
     assert words in err["message"], err["message"]
     assert err["type"] == "invalid_request_error"
+
+
+def test_a_grammar_failing_after_admission_is_a_400_and_the_server_serves_on(live, monkeypatch, offline):
+    """A constraint that passes the check and fails once generating (here: the check skipped)
+    answers 400 naming the limit, streamed or not, and the next request is served."""
+    monkeypatch.setattr(GrammarCompiler, "check", lambda self, constraint: None)
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"choice": [str(i) for i in range(2500)]}}
+    status, got = live.post(COMPLETIONS, body)
+    err = assert_openai_error(status, got, 400)
+    assert "Current row has 2501 items" in err["message"] and len(err["message"]) < 500
+    status, got = live.post(COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and got["choices"][0]["text"] == offline.generate("a", greedy(3))[0].text
 
 
 @pytest.mark.parametrize("raw, words", [

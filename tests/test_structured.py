@@ -257,3 +257,15 @@ def test_forced_tokens_ride_along_under_a_servers_k_cap(llm):
                                              k_by_load=KSchedule.parse("1-:0")), [prompt], [params])
     assert out.token_ids == plain.token_ids and out.text.startswith('{"name": "')
     assert out.stats.target_steps < len(out.token_ids) - 8 and out.stats.drafts == 0
+
+
+def test_a_constraint_beyond_the_grammar_engines_limits_is_a_named_error(llm):
+    """llguidance's limits (here its 2000 items per parser row) are the user's error, named with
+    the limit and a bounded message: refused by the check, and by the first step without it."""
+    big = Constraint.choice([str(i) for i in range(2500)])
+    with pytest.raises(InvalidConstraintError, match="limits: Parser Error: Current row has 2501 items") as refused:
+        llm.engine.grammars.check(big)
+    assert len(str(refused.value)) < 500
+    with pytest.raises(InvalidConstraintError, match="limits"):
+        llm.generate("x", _greedy(big))
+    assert llm.generate("x", _greedy(CONSTRAINTS["choice"]))[0].text in {"yes", "no", "maybe"}

@@ -46,6 +46,8 @@ from specdecode.errors import InvalidConstraintError
 from specdecode.tokenizer import Tokenizer
 
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+CHECK_TOKENS = 32  # first tokens a check consumes (spread over those allowed) to find a grammar beyond its limits
+MESSAGE_CHARS = 300  # most of a grammar engine's message passed on in an error
 _GRAMMAR_CACHE = 256  # compiled grammar texts kept per compiler (a server sees the same schemas again)
 # JSON as ``json.dumps`` writes it: no free whitespace, which a model could otherwise emit until
 # max_tokens (vLLM's ``disable_any_whitespace``), and the separators models are trained on.
@@ -96,18 +98,25 @@ class GrammarCompiler:
 
     def check(self, constraint: Constraint) -> None:
         """Raise InvalidConstraintError now, so a server answers 400 before queueing the request:
-        the grammar compiles, its matcher starts, and it can roll back a token (speculation undoes
-        drafts; llguidance cannot for grammars with ``max_tokens=`` or ``stop=`` lexemes)."""
-        grammar = self.matcher(constraint)
+        the grammar compiles, its matcher starts, allows some output, runs within the grammar
+        engine's limits on up to ``CHECK_TOKENS`` of its first tokens (a list of thousands of
+        choices sharing a first digit passes llguidance's items-per-row limit only there), and
+        can roll each back (speculation undoes drafts; llguidance cannot for grammars with
+        ``max_tokens=`` or ``stop=`` lexemes). Each refusal says which of these failed."""
+        grammar, kind = self.matcher(constraint), constraint.kind
         allowed = grammar.mask().nonzero().flatten().tolist()
-        first = next((t for t in allowed if t not in grammar.eos_ids), None)
-        if first is None:
-            return
-        grammar.matcher.consume_tokens([first])
-        if not grammar.matcher.rollback(1):
-            raise InvalidConstraintError(f"the {constraint.kind} constraint cannot be used with speculative "
-                                         "decoding: its grammar cannot undo a token (drop max_tokens= or stop= "
-                                         "from its lexemes)")
+        if not allowed:
+            raise InvalidConstraintError(f"the {kind} constraint allows no output at all")
+        firsts = [t for t in allowed if t not in grammar.eos_ids]
+        matcher = grammar.matcher
+        for token in firsts[:: max(1, -(-len(firsts) // CHECK_TOKENS))]:
+            if not matcher.consume_tokens([token]) or matcher.is_error():
+                raise InvalidConstraintError(f"the {kind} constraint is beyond the grammar engine's limits: "
+                                             f"{_first_line(matcher.get_error())}")
+            if not matcher.rollback(1):
+                raise InvalidConstraintError(f"the {kind} constraint cannot be used with speculative decoding: "
+                                             "its grammar cannot undo a token (drop max_tokens= or stop= from "
+                                             "its lexemes)")
 
     def matcher(self, constraint: Constraint) -> TokenGrammar:
         from llguidance import LLMatcher
@@ -194,8 +203,9 @@ class TokenGrammar:
         if tokens:
             self._masks.clear()
             self._forced = None
-            if not self.matcher.consume_tokens(tokens):
-                raise RuntimeError(f"tokens {tokens[:8]} broke the grammar: {self.matcher.get_error()}")
+            if not self.matcher.consume_tokens(tokens):  # the masks allowed them: a grammar engine's limit
+                raise InvalidConstraintError(f"the constraint went beyond the grammar engine's limits: "
+                                             f"{_first_line(self.matcher.get_error())}")
 
     def _allows(self, drafts: list[int], token: int) -> bool:
         """Whether ``token`` may follow the committed tokens and ``drafts`` (which contain no EOS)."""
@@ -215,7 +225,8 @@ class TokenGrammar:
                     raise InvalidConstraintError(f"the grammar failed: {_first_line(self.matcher.get_error())}")
                 mask = _unpack(bitmask, self.vocab_size)
             if n and not self.matcher.rollback(n):
-                raise RuntimeError(f"the grammar could not undo {n} tokens: {self.matcher.get_error()}")
+                raise InvalidConstraintError(f"the grammar could not undo {n} tokens: "
+                                             f"{_first_line(self.matcher.get_error())}")
             self._masks[drafts] = mask
         return self._masks[drafts]
 
@@ -262,4 +273,7 @@ def _unpack(bitmask: bytes, vocab_size: int) -> Tensor:
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else message
+    """The first line of a grammar engine's message, at most ``MESSAGE_CHARS``: its messages can
+    carry the parser's state and the user's grammar, which no error or log line should."""
+    line = message.strip().splitlines()[0] if message.strip() else message
+    return line if len(line) <= MESSAGE_CHARS else line[:MESSAGE_CHARS] + " ..."

@@ -266,9 +266,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    log.error("internal error on %s %s: %r (traceback follows from the server)", request.method,
-              request.url.path, exc)
+    log.error("internal error on %s %s: %s (traceback follows from the server)", request.method,
+              request.url.path, _excerpt(repr(exc)))
     return APIError(500, "internal server error", type="server_error").response()
+
+
+def _excerpt(text: str, most: int = 500) -> str:
+    """At most ``most`` characters of ``text``: a log line never carries a user's whole prompt or grammar."""
+    return text if len(text) <= most else f"{text[:most]} ... ({len(text)} characters)"
 
 
 class _RequireKey:
