@@ -87,7 +87,8 @@ class LLM:
         if draft is None and REGISTRY[self.spec.method].needs_draft_model:
             draft = DEFAULT_DRAFTS.get(model)
             if draft is None:
-                raise InvalidConfigError(f"method {self.spec.method!r} needs a draft model for {model!r}: pass draft=")
+                raise InvalidConfigError(f"method {self.spec.method!r} needs a draft model for {model!r}: pass draft= "
+                                         "(on the command line, --draft)")
         path = resolve_model(model, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
         # Checked before the weights load, so a wrong store fails in a second, not a minute.

@@ -70,6 +70,16 @@ def test_bad_input_is_one_line_exit_2(tiny_pair, tmp_path, args, message):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+def test_json_errors_are_one_json_object_on_stdout(tiny_pair):
+    """--json promises exactly one JSON object on stdout: a user error is that object (exit 2),
+    beside its one line on stderr; a missing draft names the CLI's flag."""
+    target, _ = tiny_pair
+    res = run_cli("generate", "--model", str(target), "--method", "draft_model", "--prompt", "hi", "--json")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    error = json.loads(res.stdout)["error"]
+    assert error["type"] == "InvalidConfigError" and "--draft" in error["message"]
+
+
 def test_prompt_too_long(tiny_pair):
     target, _ = tiny_pair
     res = run_cli("generate", "--model", str(target), "--prompt", "a" * 600, "--max-seq-len", "256")

@@ -9,6 +9,7 @@ stderr, the text alone, as they would from ``print``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -92,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except SpecDecodeError as exc:
         print(f"specdecode: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):  # --json promises one JSON object on stdout, errors included
+            print(json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}))
         return 2
     except KeyboardInterrupt:
         print("specdecode: interrupted", file=sys.stderr)

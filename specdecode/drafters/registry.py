@@ -140,7 +140,7 @@ def build_drafter(name: str, resources: DraftResources, capacity: int) -> Drafte
     ``capacity`` tokens."""
     method = REGISTRY[name]
     if method.needs_draft_model and resources.draft_model is None:
-        raise InvalidConfigError(f"method {name!r} needs a draft model: pass draft=")
+        raise InvalidConfigError(f"method {name!r} needs a draft model: pass draft= (on the command line, --draft)")
     if method.needs is not None and getattr(resources, method.needs) is None:
         raise InvalidConfigError(f"method {name!r} needs a trained head: {method.needs_hint}")
     return method.build(resources, capacity)
