@@ -17,7 +17,8 @@ from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.errors import InvalidConfigError
 from specdecode.server.k_by_load import parse_k_by_load
 from specdecode.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
-                                           DEFAULT_MAX_CONNECTIONS, guarded_protocol)
+                                           DEFAULT_MAX_CONNECTIONS, connection_cap, guarded_protocol,
+                                           quiet_accept_errors)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -111,8 +112,14 @@ def run(args: argparse.Namespace) -> int:
           f"http://{_url_host(args.host)}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
     _log_like_uvicorn(args.log_level)
     # uvicorn's own grace outlasts ours, so the requests we end still send their 503 or error event.
+    max_connections, lowered = connection_cap(args.max_connections)
+    if max_connections < 8:
+        raise InvalidConfigError(f"{lowered}, fewer than the 8 a server needs; raise ulimit -n")
+    if lowered:
+        print(f"specdecode: warning: {lowered}", file=sys.stderr)
+    quiet_accept_errors()
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5,
-                            http=guarded_protocol(args.header_timeout, args.max_connections), timeout_keep_alive=5)
+                            http=guarded_protocol(args.header_timeout, max_connections), timeout_keep_alive=5)
     server = uvicorn.Server(config)
     threading.Thread(target=_end_requests_after_grace, args=(server, scheduler, args.shutdown_timeout),
                      name="specdecode-shutdown", daemon=True).start()

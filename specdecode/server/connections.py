@@ -10,6 +10,12 @@ connection beyond ``max_connections`` with a JSON 503 at once. Idle kept-alive c
 closed by uvicorn's ``timeout_keep_alive``; a body that stalls is the app's to time out
 (``app._read_json``). Each cause is logged once a minute with a count, not once per event.
 
+The cap must fit the process's open-file limit (``ulimit -n``): ``connection_cap`` raises the soft
+limit toward the hard one and lowers the cap to what fits beside the files already open, so the
+server answers 503 before accepting a socket would fail. Where the limit is hit anyway (by
+other files), asyncio logs each failed ``accept`` with a traceback, many a second;
+``quiet_accept_errors`` folds those into the same once-a-minute count.
+
 A client may half-close its side once its request is sent (``shutdown(SHUT_WR)``, ``nc -N``): HTTP
 allows it, and it still wants the answer. uvicorn takes the end of input for a disconnect and
 drops the request. Here a connection whose request arrived whole stays open for the response; as
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -55,6 +62,55 @@ class _CauseLog:
         if now - self.last >= _LOG_EVERY_S:
             log.warning(self.message, self.count)
             self.count, self.last = 0, now
+
+
+FILES_RESERVE = 64  # descriptors kept for everything but client sockets (models, logs, threads, pipes)
+
+
+def connection_cap(requested: int) -> tuple[int, str | None]:
+    """The connection cap this process can honour, and why it is lower than ``requested`` (None
+    when it is not): the soft open-file limit is raised as far as the hard one allows, and the
+    cap leaves ``FILES_RESERVE`` descriptors beside those already open."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    opened = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 16
+    wanted = requested + opened + FILES_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return requested, None
+    cap = soft - opened - FILES_RESERVE
+    return cap, (f"--max-connections {requested} lowered to {cap}: this process may open {soft} files "
+                 f"(ulimit -n) and {opened + FILES_RESERVE} are kept for the rest")
+
+
+class _AcceptErrors(logging.Filter):
+    """Drops asyncio's per-attempt "socket.accept() out of system resource" records, counting them
+    in one once-a-minute line instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cause = _CauseLog("could not accept %d connection(s): the process is out of file descriptors "
+                               "(raise ulimit -n or lower --max-connections)")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("socket.accept() out of system resource"):
+            self.cause.event()
+            return False
+        return True
+
+
+def quiet_accept_errors() -> None:
+    """Install ``_AcceptErrors`` on asyncio's logger (once)."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AcceptErrors) for f in logger.filters):
+        logger.addFilter(_AcceptErrors())
 
 
 def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
