@@ -131,6 +131,8 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._refusal: str | None = None
+            self._refuse_ambiguous_framing()
             if len(self.connections) > max_connections:
                 refused.event()
                 transport.write(_busy_response())
@@ -158,6 +160,42 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
             self._half_closed = True
             self._probe_timer = self.loop.call_later(_PROBE_EVERY_S, self._probe)
             return True
+
+        def send_400_response(self, msg: str) -> None:  # type: ignore[override]
+            """uvicorn's answer to a request h11 cannot parse, as a JSON error like every other."""
+            import h11
+
+            message = self._refusal or "the request is not valid HTTP/1.1 (request line, headers or framing)"
+            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                         "code": "bad_http"}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(body)).encode())]
+            try:
+                self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+            except h11.LocalProtocolError:  # h11 cannot answer in this state: just close
+                pass
+            self.transport.close()
+
+        def _refuse_ambiguous_framing(self) -> None:
+            """A request with both Transfer-Encoding and Content-Length is refused (400): a proxy in
+            front may frame it by the other header, the ground of request smuggling."""
+            import h11
+
+            next_event = self.conn.next_event
+
+            def checked() -> Any:
+                event = next_event()
+                if isinstance(event, h11.Request):
+                    names = {name.lower() for name, _ in event.headers}
+                    if b"transfer-encoding" in names and b"content-length" in names:
+                        self._refusal = ("a request may not carry both Transfer-Encoding and Content-Length "
+                                         "(ambiguous framing)")
+                        raise h11.RemoteProtocolError(self._refusal, 400)
+                return event
+
+            self.conn.next_event = checked
 
         def _probe(self) -> None:
             self._probe_timer = None
