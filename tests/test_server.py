@@ -358,8 +358,10 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "ignore_eos": True, "response_format": {"type": "json_object"}},
      400, "ignore_eos", "structured output"),
     # beyond llguidance's limits (items per parser row; expressions in a lexer): named, and before the queue
-    (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"choice": [str(i) for i in range(2500)]}},
-     400, "structured_outputs.choice", "limits: Parser Error: Current row has 2501 items"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"choice": [str(i) for i in range(5000)]}},
+     400, "structured_outputs.choice", "at most 2000 options"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "a" * 300_000}},
+     400, "structured_outputs.regex", "at most 262144 are compiled"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "a{99999999}"}},
      400, "structured_outputs.regex", "limits: lexer error"),
 ]
@@ -379,7 +381,8 @@ def test_a_grammar_failing_after_admission_is_a_400_and_the_server_serves_on(liv
     """A constraint that passes the check and fails once generating (here: the check skipped)
     answers 400 naming the limit, streamed or not, and the next request is served."""
     monkeypatch.setattr(GrammarCompiler, "check", lambda self, constraint: None)
-    body = {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"choice": [str(i) for i in range(2500)]}}
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 4,
+            "structured_outputs": {"grammar": "start: " + " | ".join(f'"{i}"' for i in range(2500))}}
     status, got = live.post(COMPLETIONS, body)
     err = assert_openai_error(status, got, 400)
     assert "Current row has 2501 items" in err["message"] and len(err["message"]) < 500

@@ -262,10 +262,17 @@ def test_forced_tokens_ride_along_under_a_servers_k_cap(llm):
 def test_a_constraint_beyond_the_grammar_engines_limits_is_a_named_error(llm):
     """llguidance's limits (here its 2000 items per parser row) are the user's error, named with
     the limit and a bounded message: refused by the check, and by the first step without it."""
-    big = Constraint.choice([str(i) for i in range(2500)])
+    big = Constraint("grammar", "start: " + " | ".join(f'"{i}"' for i in range(2500)))
     with pytest.raises(InvalidConstraintError, match="limits: Parser Error: Current row has 2501 items") as refused:
         llm.engine.grammars.check(big)
     assert len(str(refused.value)) < 500
     with pytest.raises(InvalidConstraintError, match="limits"):
         llm.generate("x", _greedy(big))
     assert llm.generate("x", _greedy(CONSTRAINTS["choice"]))[0].text in {"yes", "no", "maybe"}
+
+
+def test_constraints_too_big_to_compile_are_refused_before_compiling(llm):
+    with pytest.raises(InvalidConstraintError, match="at most 2000 options"):
+        llm.engine.grammars.check(Constraint.choice([str(i) for i in range(5000)]))
+    with pytest.raises(InvalidConstraintError, match="at most 262144 are compiled"):
+        llm.engine.grammars.check(Constraint("regex", "a" * 300_000))

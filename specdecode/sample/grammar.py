@@ -47,6 +47,8 @@ from specdecode.tokenizer import Tokenizer
 
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 CHECK_TOKENS = 32  # first tokens a check consumes (spread over those allowed) to find a grammar beyond its limits
+MAX_CHOICES = 2000  # llguidance's items per parser row: a longer list fails at its first token
+MAX_SPEC_CHARS = 256 * 1024  # a constraint's text: its compile time grows with it, before the request is queued
 MESSAGE_CHARS = 300  # most of a grammar engine's message passed on in an error
 _GRAMMAR_CACHE = 256  # compiled grammar texts kept per compiler (a server sees the same schemas again)
 # JSON as ``json.dumps`` writes it: no free whitespace, which a model could otherwise emit until
@@ -83,6 +85,9 @@ class GrammarCompiler:
             known = self._grammars.get(constraint)
         if known is not None:
             return known
+        if len(constraint.spec) > MAX_SPEC_CHARS:
+            raise InvalidConstraintError(f"the {constraint.kind} constraint is {len(constraint.spec)} characters long; "
+                                         f"at most {MAX_SPEC_CHARS} are compiled")
         try:
             grammar = _grammar_text(constraint, LLMatcher)
         except (ValueError, TypeError, RecursionError) as exc:
@@ -253,6 +258,9 @@ def _grammar_text(constraint: Constraint, matcher_cls) -> str:  # noqa: ANN001
         options = json.loads(spec)
         if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
             raise ValueError("choice takes a non-empty list of strings")
+        if len(options) > MAX_CHOICES:
+            raise ValueError(f"choice takes at most {MAX_CHOICES} options (the grammar engine's limit on "
+                             f"alternatives in a row), got {len(options)}")
         return matcher_cls.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
     return matcher_cls.grammar_from_lark(spec)
 
