@@ -665,3 +665,20 @@ def test_a_damaged_model_answers_500_not_a_normal_completion(tiny_pair):
             assert err["code"] == "model_damaged" and "NaN" in err["message"]
     finally:
         scheduler.close()
+
+
+def test_metrics_do_not_grow_with_what_clients_send(live):
+    """Labels come from fixed sets (endpoint, status, draft position): many model names and
+    paths add no series, so /metrics cannot be blown up from outside."""
+    live.post(COMPLETIONS, {"model": "warm-up-name", "prompt": "a", "max_tokens": 1})
+    live.request("GET", "/no-such-path-warm-up")
+    live.metrics()  # its own request's series
+    before = live.metrics()
+    for i in range(40):
+        live.post(COMPLETIONS, {"model": f"name-{i}", "prompt": "a", "max_tokens": 1})
+        live.request("GET", f"/random/path/{i}")
+    after = live.metrics()
+    grown = set(after) - set(before)
+    assert not grown, grown
+    status, _, text = live.request("GET", "/metrics")
+    assert "name-3" not in text and "/random/path" not in text
