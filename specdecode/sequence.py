@@ -18,7 +18,7 @@ from specdecode.params import SamplingParams
 
 @dataclass(slots=True)
 class SequenceState:
-    """One request's committed tokens and its private random stream.
+    """One request's committed tokens, its race keys (sampling) and its private random stream.
 
     ``token_ids`` holds prompt + generated tokens. The target's KV cache holds every committed
     token except the last one, which is the first input of the next verify step.
@@ -29,6 +29,7 @@ class SequenceState:
     params: SamplingParams
     generator: torch.Generator = field(default_factory=torch.Generator)
     grammar: Any = None  # structured output's TokenGrammar (sample/grammar.py), for drafters that follow it
+    keys: Any = None  # a sampled request's race keys by position (sample/race.py ``RaceKeys``); None: greedy
 
     @property
     def num_generated(self) -> int:

@@ -382,11 +382,14 @@ def test_verify_dispatches_chain_and_tree_greedy_and_sampled():
     logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0], [0.0, 1.0, 6.0]])
     chain = DraftProposal(torch.tensor([1, 0]), None)
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
-    assert verify(chain, logits, greedy, torch.Generator()) == verify_greedy(chain.tokens, logits)
+    assert verify(chain, logits, greedy) == verify_greedy(chain.tokens, logits)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     want = verify_rejection(chain.tokens, None, logits_to_probs(logits, sampled), g2)
-    got = verify(chain, logits, sampled, g1)
+    got = verify(chain, logits, sampled, generator=g1)
     assert got == want and got.rows is None
+    keys = torch.empty(3, 3).exponential_(generator=torch.Generator().manual_seed(5))
+    raced = verify(chain, logits, sampled, keys)  # sampled with race keys: greedy on p / E
+    assert raced == verify_greedy(chain.tokens, logits_to_probs(logits, sampled) / keys)
     tree = DraftProposal(torch.tensor([2, 1]), None, parents=(-1, -1))  # two first-token candidates
-    result = verify(tree, logits, greedy, torch.Generator())
+    result = verify(tree, logits, greedy)
     assert result == verify_tree_greedy(tree.tokens, tree.parents, logits) and result.rows == [0, 2]

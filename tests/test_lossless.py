@@ -71,6 +71,26 @@ def test_greedy_identity_while_k_and_source_change_every_step(llm, method, monke
     assert plain_steps > 0 or not llm.drafter(method).adapts_length  # K = 0 was drawn too
 
 
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_seeded_sampling_equals_plain_sampling_whatever_the_drafts(llm, method, monkeypatch):
+    """Sampled tokens win races keyed by the seed and their position (sample/race.py), so a seeded
+    request gives plain sampled decoding's tokens under every method, whatever K and source each
+    step drew, alone or beside other requests."""
+    monkeypatch.setattr(llm.engine, "policy", RandomK(seed=len(method) + 1))
+    params = [SamplingParams(max_tokens=24, temperature=t, top_p=p, top_k=k, seed=seed)
+              for seed, (t, p, k) in zip(SEEDS, [(0.8, 1.0, 0), (1.0, 0.9, 0), (0.7, 1.0, 8), (1.3, 0.95, 20)])]
+    prompts = [_prompt(seed) for seed in SEEDS][: len(params)]
+    drafted = 0
+    for prompt, sampling in zip(prompts, params):
+        plain = llm.generate(prompt, sampling, method="none")[0]
+        spec = llm.generate(prompt, sampling, method=method, num_speculative_tokens=5)[0]
+        assert spec.token_ids == plain.token_ids, (method, sampling)
+        drafted += spec.stats.draft_tokens
+    batched = llm.generate(prompts, params[1], method=method, num_speculative_tokens=5)  # one batch
+    assert [o.token_ids for o in batched] == [llm.generate(p, params[1], method="none")[0].token_ids for p in prompts]
+    assert drafted > 0
+
+
 @pytest.fixture(scope="module")
 def int8_llm(tiny_pair, tiny_pair_heads):
     target, draft = tiny_pair

@@ -150,22 +150,6 @@ def test_catch_ups_are_read_through_a_line_of_their_sizes():
     assert costs.catch_up(208) == pytest.approx(0.120) and costs.catch_up(8) == pytest.approx(0.020)
 
 
-def test_a_seeded_sampled_request_gets_its_k_from_its_own_history_alone():
-    """Its draws follow K, so K may depend on neither timings nor neighbours: the same K
-    whatever the measured costs and whoever shares the step."""
-    def seeded(acceptance: float | None) -> DraftRequest:
-        return DraftRequest("draft_model", 12, 100, state=RequestSpeculation(acceptance=acceptance),
-                            draft_cost_prior=0.4, reproducible=True)
-
-    picks = set()
-    for costs in (StepCosts(), _costs(row_s=STEP, draft_s=STEP), _costs(row_s=0.0, draft_s=0.0)):
-        policy = CostModel(costs)
-        for neighbours in (0, 3):
-            picks.add(tuple(policy.draft_lengths([seeded(0.9)] + [_request(0.9) for _ in range(neighbours)])[:1]))
-    assert len(picks) == 1 and picks.pop()[0] > 0
-    assert CostModel(_costs(row_s=0.0, draft_s=0.0)).draft_lengths([seeded(0.2)]) == [0]  # poor drafts: none, at any speed
-
-
 def test_a_long_copy_is_picked_over_the_draft_model_and_a_failing_copy_is_not():
     """``pick_sources``: a free copy at good acceptance beats a paid draft at the same; a copy
     that keeps failing loses to the draft model."""
@@ -185,16 +169,6 @@ def test_a_request_with_one_source_and_fixed_k_take_the_first():
     assert fixed.pick_sources([[_request(0.1, method="suffix/match1"), _request(0.9)]]) == [0]
 
 
-def test_a_seeded_sampled_request_picks_its_source_without_timings():
-    """Reproducible requests choose on reference costs and their own history: the pick is the
-    same whatever the machine measured."""
-    fast, slow = CostModel(_costs(row_s=0.001, draft_s=0.001)), CostModel(_costs(row_s=0.039, draft_s=0.03))
-    options = [[_request(a, method="suffix/match4", reproducible=True), _request(0.7, reproducible=True)]
-               for a in (0.05, 0.3, 0.6, 0.9)]
-    assert fast.pick_sources(options) == slow.pick_sources(options)
-    assert fast.pick_sources(options)[0] == 1 and fast.pick_sources(options)[-1] == 0
-
-
 def test_one_refused_draft_does_not_turn_drafting_off_but_a_run_of_them_does():
     """A request's acceptance starts from its method's and moves by each decided draft, so one
     unlucky step leaves a good method drafting and a run of refusals stops it."""
@@ -211,17 +185,6 @@ def test_one_refused_draft_does_not_turn_drafting_off_but_a_run_of_them_does():
     for _ in range(4):
         refused_first_draft()
     assert policy.draft_lengths([request]) == [0]
-
-
-def test_a_seeded_sampled_request_starts_from_the_fixed_prior_not_its_neighbours():
-    policy = CostModel(_costs(row_s=0.008, draft_s=0.010))
-    policy.method_acceptance["draft_model"] = 0.3
-    seeded, greedy = RequestSpeculation(), RequestSpeculation()
-    policy.record(StepTimes(rows=7, verify_s=STEP, requests=[
-        RequestOutcome("draft_model", greedy, 2, 2, 0.02),
-        RequestOutcome("draft_model", seeded, 2, 2, 0.02, reproducible=True)]))
-    assert seeded.acceptance == pytest.approx(0.8 + (1 - 0.85**2) * 0.2)
-    assert greedy.acceptance == pytest.approx(0.3 + (1 - 0.85**2) * 0.7)
 
 
 def test_a_spell_of_load_slows_drafts_and_verifies_alike_and_leaves_the_choice_alone():

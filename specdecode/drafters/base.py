@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeAlias
 import torch
 from torch import Tensor
 
+from specdecode.sample.race import race
 from specdecode.sample.sampling import logits_to_probs, sample
 from specdecode.sequence import DraftProposal, SequenceState
 
@@ -95,14 +96,17 @@ def run_alone(drafting: Drafting) -> DraftProposal:
 
 
 def pick_from_subvocabulary(logits: Tensor, target_ids: Tensor, vocab_size: int, seq: SequenceState,
-                            need_prob: bool, argmax: bool | None = None) -> tuple[int, Tensor | None, float]:
+                            need_prob: bool, argmax: bool | None = None,
+                            position: int | None = None) -> tuple[int, Tensor | None, float]:
     """One draft token from logits over a subset of the target vocabulary (a trained head's own
     vocabulary, or a draft model's restricted LM head), ``target_ids`` the target id of each
     entry: the argmax when ``argmax`` (default: the request is greedy), else a sample under the
     request's rule from the distribution renormalised over the subset and spread over the target
     vocabulary (zero elsewhere), which the exact rejection rule needs. Returns the target id, that
     distribution (None for an argmax) and the token's probability (1.0 for an argmax unless
-    ``need_prob``)."""
+    ``need_prob``). Given the ``position`` the draft is for and the request's race keys, the
+    sample is that position's race over the distribution (``sample/race.py``), which the target's
+    verification needs no distribution for (None is returned)."""
     if seq.params.greedy if argmax is None else argmax:
         choice = int(logits.argmax())
         p_token = float(torch.softmax(logits, -1)[choice]) if need_prob else 1.0
@@ -110,6 +114,9 @@ def pick_from_subvocabulary(logits: Tensor, target_ids: Tensor, vocab_size: int,
     full = torch.full((vocab_size,), -torch.inf)
     full[target_ids] = logits
     probs = logits_to_probs(full[None], seq.params)
+    if position is not None and seq.keys is not None:
+        token = int(race(probs[0], seq.keys.at(position, vocab_size)))
+        return token, None, float(probs[0, token])
     token = int(sample(probs, seq.generator)[0])
     return token, probs[0], float(probs[0, token])
 

@@ -37,6 +37,7 @@ from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.errors import VocabularyMismatchError
 from specdecode.models.decoder import Decoder
 from specdecode.sample.grammar import apply_mask
+from specdecode.sample.race import race
 from specdecode.sample.sampling import greedy, logits_to_probs, sample
 
 
@@ -139,15 +140,20 @@ class _DraftRun:
                 return False
             logits = apply_mask(logits, allowed.unsqueeze(0))
         need_prob = self.drafter.confidence > 0
+        position = len(self.seq.token_ids) + len(self.tokens)  # the position this draft is for
         if ids is not None:
             choice, p, p_token = pick_from_subvocabulary(logits[0], ids, self.drafter.vocab_size, self.seq, need_prob,
-                                                         argmax=self.argmax)
+                                                         argmax=self.argmax, position=position)
             token = torch.tensor([choice])
             if p is not None:
                 self.probs.append(p)
         elif self.argmax:
             token = greedy(logits)
             p_token = float(torch.softmax(logits[0], -1)[token]) if need_prob else 1.0
+        elif self.seq.keys is not None:  # the race the target runs at this position, over q
+            p = logits_to_probs(logits, self.seq.params)
+            token = race(p, self.seq.keys.at(position, self.drafter.vocab_size)[None])
+            p_token = float(p[0, token])
         else:
             p = logits_to_probs(logits, self.seq.params)
             token = sample(p, self.seq.generator)

@@ -29,7 +29,7 @@ from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.engine.policy import DraftRequest, SpeculationPolicy
 from specdecode.drafters.base import DraftSource
 from specdecode.models.decoder import Decoder
-from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
+from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal
 
 HORIZON = 256  # most tokens a request is counted on to make: max_tokens bounds it, EOS often comes sooner
 
@@ -151,8 +151,7 @@ class Batch:
                     work, source = works.get(m), sources[m]
                     step.requests.append(RequestOutcome(source.name, gen.speculation_for(source.name),
                                                         gen.proposal.depth, gen.accepted,
-                                                        work.seconds - work.catch_up_s if work else 0.0,
-                                                        reproducible=_reproducible(gen.seq)))
+                                                        work.seconds - work.catch_up_s if work else 0.0))
                     gen.stats.free_drafts += bool(gen.proposal.k) and source.cost_prior == 0
                 if gen.finished:
                     out.events.append((m, gen.finish()))
@@ -186,12 +185,12 @@ class Batch:
         self.last_k = max((k for k, _ in plans), default=0)
         works: dict[Member, DraftWork] = {}
         picked: dict[Member, DraftSource] = {}
-        for m, (source, request), (k, stop) in zip(members, chosen, plans):
+        for m, (source, _), (k, stop) in zip(members, chosen, plans):
             picked[m] = source
             if stop is not None and source.stop is not None:
                 source.stop(stop)
-            if k > 0:  # a seeded sampled request drafts as it would alone, so its draws are too
-                works[m] = DraftWork(source.draft(m.gen.seq, k), alone=request.reproducible)
+            if k > 0:
+                works[m] = DraftWork(source.draft(m.gen.seq, k))
         draft_all(list(works.values()))
         proposals = {}
         for m, work in works.items():
@@ -207,9 +206,4 @@ def _draft_request(gen: Generation, source: DraftSource) -> DraftRequest:
     k_max = gen.k_max if source.limit is None else min(gen.k_max, source.limit)
     return DraftRequest(source.name, k_max, gen.draft_room(), gen.adaptive, source.catch_up,
                         min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation_for(source.name),
-                        source.cost_prior, reproducible=_reproducible(seq), confident=source.stop is not None)
-
-
-def _reproducible(seq: SequenceState) -> bool:
-    """A seeded sampled request: its draws follow its K, so K must not follow timings or neighbours."""
-    return not seq.params.greedy and seq.params.seed is not None
+                        source.cost_prior, confident=source.stop is not None)

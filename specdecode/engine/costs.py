@@ -62,7 +62,6 @@ class RequestOutcome:
     drafted: int = 0  # positions drafted (a tree's depth)
     accepted: int = 0
     draft_s: float = 0.0  # drafting time charged to this request, catch-ups excluded
-    reproducible: bool = False  # a seeded sampled request: its acceptance starts from no other request's
 
     @property
     def decided(self) -> int:
@@ -166,9 +165,8 @@ def _ema(old: float | None, new: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ReferenceCosts:
-    """Fixed costs in units of one-row steps, for requests whose K must not depend on timings
-    (seeded sampling): an extra row ``ROW_SHARE_PRIOR``, a drafted token its drafter's prior, a
-    catch-up token ``catch_up_share``."""
+    """Costs in units of one-row steps, for planning before anything was measured: an extra row
+    ``ROW_SHARE_PRIOR``, a drafted token its drafter's prior, a catch-up token ``catch_up_share``."""
 
     catch_up_share: float = 0.07  # an int4 draft's prefill, 2.5-3 ms a token, against a 38 ms step (Zen 4)
 

@@ -4,10 +4,7 @@ Each request drafts through its drafter's coroutine (``Drafter.drafting``), whic
 model calls it needs. Calls on one model in the same round run as one batched forward
 (``Decoder.forward_batch``), a lone call as a plain forward (and any fused single-row path the
 model has); a catch-up call (a prompt, or tokens missed while drafting was off) runs alone on
-the model's prefill path. A work marked ``alone`` (a seeded sampled request) never shares: its
-draws follow the draft's probabilities, which a model's single-request path (an int4 draft's
-fused forward) and its batched path compute in different summation orders, so it takes the
-single-request path every step, as it would running alone. A drafter that fails, or whose shared forward fails, fails only its
+the model's prefill path. A drafter that fails, or whose shared forward fails, fails only its
 own requests. Each request is charged its own drafting time plus an even share of the shared
 forwards it was part of; catch-ups are timed apart, for the speculation policy.
 """
@@ -29,7 +26,6 @@ class DraftWork:
     """One request's drafting in a step: its coroutine, and what it produced and cost."""
 
     drafting: Drafting
-    alone: bool = False  # its calls never share a forward (see the module docstring)
     call: ModelCall | None = None  # the model call it waits on
     proposal: DraftProposal | None = None
     error: Exception | None = None
@@ -49,8 +45,8 @@ def draft_all(works: list[DraftWork]) -> None:
         groups: dict[tuple[int, bool], list[DraftWork]] = defaultdict(list)
         for work in waiting:
             call = work.call
-            if call.tokens.numel() > CATCH_UP_TOKENS or work.alone:
-                groups[(id(work), True)].append(work)  # a catch-up, or a work that must not share
+            if call.tokens.numel() > CATCH_UP_TOKENS:
+                groups[(id(work), True)].append(work)  # a catch-up runs alone
             else:
                 groups[(id(call.model), call.last_only)].append(work)
         for group in groups.values():

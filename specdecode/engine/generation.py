@@ -26,7 +26,8 @@ from specdecode.drafters.base import Drafter
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.errors import NonFiniteLogitsError
 from specdecode.models.decoder import HiddenCapture
-from specdecode.sample.sampling import greedy, logits_to_probs, sample
+from specdecode.sample.race import RaceKeys, race
+from specdecode.sample.sampling import greedy, logits_to_probs
 from specdecode.engine.stats import RequestStats
 from specdecode.engine.stops import StopChecker
 from specdecode.tokenizer import Tokenizer
@@ -72,9 +73,10 @@ class Generation:
         self.started = time.perf_counter()
         self.cache, self.drafter, self.max_seq_len = cache, drafter, max_seq_len
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
-        gen = torch.Generator()
-        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-        self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, gen, grammar)
+        seed = params.seed if params.seed is not None else torch.seed()
+        keys = None if params.greedy else RaceKeys(seed)  # sampled tokens: races keyed by position
+        self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, torch.Generator().manual_seed(seed),
+                                 grammar, keys)
         self.k_max = spec.num_speculative_tokens
         # The policy chooses K unless told not to, or the drafter sizes its own proposals (a
         # lookahead window's depth is not a draft length).
@@ -201,7 +203,7 @@ class Generation:
         if self.synthetic is not None and proposal.k:
             result = verify_synthetic(proposal, logits, seq.params, self.synthetic, seq.generator)
         else:
-            result = verify(proposal, logits, seq.params, seq.generator)
+            result = verify(proposal, logits, seq.params, _row_keys(seq, proposal, logits.shape[-1]))
         self.cache.commit(result, proposal.k + 1)
         stats.verify_s += forward_s
         stats.target_steps += 1
@@ -211,6 +213,8 @@ class Generation:
         elif not proposal.k:
             stats.plain_steps += 1
         new = self.stops.push(seq, result.tokens)
+        if seq.keys is not None:
+            seq.keys.forget_before(len(seq.token_ids))
         kept = result.rows if result.rows is not None else list(range(result.num_accepted + 1))
         if self.drafter is not None and not self.finished:
             t0 = time.perf_counter()
@@ -250,7 +254,24 @@ def _check_finite(logits: Tensor) -> None:
 
 
 def _pick(logits: Tensor, seq: SequenceState) -> int:
-    """One token from target logits [1, V] by the request's sampling rule."""
+    """One token from target logits [1, V] by the request's sampling rule: the argmax, or the
+    race winner of the next position."""
     if seq.params.greedy:
         return int(greedy(logits)[0])
-    return int(sample(logits_to_probs(logits, seq.params), seq.generator)[0])
+    keys = seq.keys.at(len(seq.token_ids), logits.shape[-1])
+    return int(race(logits_to_probs(logits, seq.params)[0], keys))
+
+
+def _row_keys(seq: SequenceState, proposal: DraftProposal, vocab: int) -> Tensor | None:
+    """A sampled request's race keys [K + 1, V] for the verify rows of ``proposal``: row 0 decides
+    the next position, the row after draft i the position after it (a tree: after its depth)."""
+    if seq.keys is None:
+        return None
+    base = len(seq.token_ids)
+    if proposal.is_tree:
+        depths: list[int] = []
+        for p in proposal.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+    else:
+        depths = list(range(1, proposal.k + 1))
+    return torch.stack([seq.keys.at(base + d, vocab) for d in [0, *depths]])

@@ -23,8 +23,9 @@ the best expected rate, and acceptance and cost are learned per source name. A r
 measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
 once to re-measure (the wait doubles while drafting stays off), paying its drafter's catch-up on
 the tokens it missed when that is cheap beside the request's remaining time
-(``PROBE_CATCH_UP_SHARE``). A seeded sampled request is
-planned on fixed reference costs instead (``DraftRequest.reproducible``).
+(``PROBE_CATCH_UP_SHARE``). No output depends on the choice: greedy tokens are argmaxes and
+sampled ones win races keyed by their position (``sample/race.py``), so every request, seeded or
+not, is planned on measured costs.
 
 ``FixedK`` drafts ``num_speculative_tokens`` every step (``adaptive=False``: for experiments).
 Drafters that size their own proposals (``adapts_length = False``, a lookahead window) always
@@ -67,11 +68,6 @@ class DraftRequest:
     step allows (``max_tokens`` and the context); ``adaptive``: the policy chooses its K (else
     ``k_max``); ``catch_up``: tokens its drafter must feed its own model before drafting;
     ``remaining``: tokens the request may still make; ``state``: what the policy learned of it.
-
-    ``reproducible``: a seeded sampled request, whose random draws follow its K. Its K then comes
-    from its own acceptance and fixed reference costs (``costs.REFERENCE_COSTS``), never from
-    timings or from the requests beside it, so the same seed gives the same tokens in every run,
-    alone or batched. Greedy output never depends on K, so greedy requests use measured costs.
     """
 
     method: str
@@ -82,7 +78,6 @@ class DraftRequest:
     remaining: int = 256
     state: RequestSpeculation = field(default_factory=RequestSpeculation)
     draft_cost_prior: float = 0.0  # a drafted token's cost as a share of a step, until measured
-    reproducible: bool = False  # a seeded sampled request: its K may not depend on timings or neighbours
     confident: bool = False  # its drafter stops by its own confidence, at a threshold the policy sets
 
     @property
@@ -145,17 +140,10 @@ class CostModel(SpeculationPolicy):
         return _clamp(r.state.acceptance, self.method_acceptance.get(r.method, PRIOR_ACCEPTANCE))
 
     def choose(self, requests: Sequence[DraftRequest]) -> list[int]:
-        ks = [0] * len(requests)
-        measured = [i for i, r in enumerate(requests) if not r.reproducible]
-        for i, r in enumerate(requests):
-            if r.reproducible:  # its own history and fixed costs alone decide, as if it ran alone
-                ks[i] = _allocate([r], *self._basis(r))[0]
         if not self.costs.verify_measured:  # nothing measured yet: draft a little and measure
-            for i in measured:
-                ks[i] = requests[i].limit if not requests[i].adaptive else min(requests[i].limit, PROBE_K)
+            ks = [r.limit if not r.adaptive else min(r.limit, PROBE_K) for r in requests]
         else:
-            for i, k in zip(measured, _allocate([requests[i] for i in measured], self.costs, self.acceptance)):
-                ks[i] = k
+            ks = _allocate(requests, self.costs, self.acceptance)
         return [self._probe(r, k) for r, k in zip(requests, ks)]
 
     def pick_sources(self, options: Sequence[Sequence[DraftRequest]]) -> list[int]:
@@ -182,12 +170,10 @@ class CostModel(SpeculationPolicy):
             if not (r.confident and r.adaptive and k):
                 plans.append((k, None))
                 continue
-            costs, acceptance = self._basis(r)
-            together = [q for q, j in zip(requests, ks) if not q.reproducible] if not r.reproducible else [r]
-            kept = [j for q, j in zip(requests, ks) if not q.reproducible] if not r.reproducible else [k]
-            rows = len(together) + sum(kept)
-            tokens = sum(_expected(acceptance(q), j) for q, j in zip(together, kept))
-            seconds = costs.verify(rows) + sum(costs.draft_token(q) * j for q, j in zip(together, kept))
+            costs, acceptance = self._basis()
+            rows = len(requests) + sum(ks)
+            tokens = sum(_expected(acceptance(q), j) for q, j in zip(requests, ks))
+            seconds = costs.verify(rows) + sum(costs.draft_token(q) * j for q, j in zip(requests, ks))
             cost = costs.draft_token(r) + costs.verify(rows + 1) - costs.verify(rows)
             threshold = MARGIN * tokens / seconds * cost / max(acceptance(r), 1e-3) if seconds > 0 else 0.0
             confident = dataclasses.replace(r, state=RequestSpeculation(acceptance=max(acceptance(r), CONFIDENT_ACCEPTANCE)))
@@ -195,15 +181,13 @@ class CostModel(SpeculationPolicy):
             plans.append((max(k, reach), min(threshold, 0.99)))
         return plans
 
-    def _basis(self, r: DraftRequest) -> tuple[Costs, Callable[[DraftRequest], float]]:
-        """The costs and acceptance ``r`` is planned on: fixed reference costs and its own
-        history when reproducible (or before anything is measured), else measured ones."""
-        if r.reproducible:
-            return REFERENCE_COSTS, lambda r: _clamp(r.state.acceptance, PRIOR_ACCEPTANCE)
+    def _basis(self) -> tuple[Costs, Callable[[DraftRequest], float]]:
+        """The costs and acceptance requests are planned on: measured ones, or before anything
+        is measured, reference costs."""
         return (self.costs if self.costs.verify_measured else REFERENCE_COSTS), self.acceptance
 
     def _solo_rate(self, r: DraftRequest) -> float:
-        costs, acceptance = self._basis(r)
+        costs, acceptance = self._basis()
         [k] = _allocate([r], costs, acceptance)
         tokens = _expected(acceptance(r), k)
         seconds = costs.verify(1 + k) + k * costs.draft_token(r)
@@ -229,7 +213,7 @@ class CostModel(SpeculationPolicy):
         """Whether a probe's catch-up (a draft model's prefill of the tokens it missed) costs at
         most ``PROBE_CATCH_UP_SHARE`` of the request's remaining tokens decoded plainly: a probe
         that finds drafting still does not pay loses what it spent."""
-        costs, _ = self._basis(r)
+        costs, _ = self._basis()
         return _catch_up(costs, r) <= PROBE_CATCH_UP_SHARE * r.remaining * costs.verify(1)
 
     def record(self, step: StepTimes) -> None:
@@ -240,8 +224,8 @@ class CostModel(SpeculationPolicy):
             rate = outcome.accepted / outcome.decided
             state = outcome.state
             start = state.acceptance
-            if start is None:  # where ``acceptance`` had it before: its method's, or the fixed prior
-                start = PRIOR_ACCEPTANCE if outcome.reproducible else self.method_acceptance.get(outcome.method, PRIOR_ACCEPTANCE)
+            if start is None:  # where ``acceptance`` had it before: its method's
+                start = self.method_acceptance.get(outcome.method, PRIOR_ACCEPTANCE)
             weight = 1 - (1 - DRAFT_EMA) ** outcome.decided
             state.acceptance = start + weight * (rate - start)
             old = self.method_acceptance.get(outcome.method)
