@@ -240,6 +240,9 @@ void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64
 #define GGUF_RT 8
 #endif
 constexpr int RT = GGUF_RT;  // rows per tile; build with -DGGUF_RT=N to compare (8 was fastest of 4-16)
+// The last tile takes up to TMAX rows, so that a call of up to TMAX rows (a verify step) decodes
+// each block once and no call ends in a small tile that decodes the weights again for a row or two.
+constexpr int TMAX = 2 * RT - 1;
 #ifndef GGUF_PF
 #define GGUF_PF 4096
 #endif
@@ -567,9 +570,9 @@ void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j, int64_t r0
 template <int T>
 void rows_of(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
     int64_t r = 0;
-    for (; r + RT <= a.n; r += RT)
+    for (; a.n - r > TMAX; r += RT)
         for (int64_t j = j0; j < j1; ++j) tile<T, RT>(w, a, j, r, y, ystride, col0 + j - j0);
-    for (int64_t j = j0; j < j1; ++j) tile_rest<T, RT - 1>(a.n - r, w, a, j, r, y, ystride, col0 + j - j0);
+    for (int64_t j = j0; j < j1; ++j) tile_rest<T, TMAX>(a.n - r, w, a, j, r, y, ystride, col0 + j - j0);
 }
 
 void output_rows(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
