@@ -69,14 +69,18 @@ inline int kperm(bool q4, int p) {
 // Quantized activations of n rows in blocks of ``block`` inputs: int8 values in [-127, 127], one
 // float scale per block, and integer sums per 16 inputs (k-quants) or per block (32-blocks). The
 // SIMD builds also keep the 256-blocks block-major, so that one block of consecutive rows is
-// contiguous and a tile reads row r at a fixed offset: ``kq[o]`` [nb][n][256] in ``kperm`` order
-// o (0: Q4_K / Q5_K, 1: Q6_K; made when a call has such a type and two rows or more, since
-// one-row tiles read the natural order), ``kbs`` [nb][n][16], ``kd`` [nb][n].
+// contiguous and a tile reads row r at a fixed offset (made when a call has such a type and two
+// rows or more, since one-row tiles read the natural order): ``kq[o]`` [nb][n][256] in ``kperm``
+// order o (0: Q4_K / Q5_K, 1: Q6_K); ``kd`` [nb][n] (+ 8 zeros: a tile reads 8 rows at a time);
+// for Q6_K ``kbs`` [nb][n][16], the sums per 16 as lane k of the lanes by group holds them, the
+// pair (group g, group g + 8) with g = 2 (k & 3) + (k >> 2); for Q4_K / Q5_K ``kbt``
+// [nb][4][ns][2], the sums per 32 (sub-block 2p and 2p + 1 at [b][p][row]), so that one load
+// gives 8 rows' pairs (ns = n + 8).
 struct Acts {
-    int64_t n = 0, in = 0, block = 0, nb = 0, sums = 0;
+    int64_t n = 0, in = 0, block = 0, nb = 0, sums = 0, ns = 0;
     std::vector<int8_t> q, kq[2];
     std::vector<float> d, kd;
-    std::vector<int16_t> bs, kbs;
+    std::vector<int16_t> bs, kbs, kbt;
     const int8_t* row(int64_t r) const { return q.data() + r * in; }
 };
 
@@ -92,7 +96,10 @@ Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (
     const bool major = n > 1 && (orders[0] || orders[1]);  // one-row tiles read the natural order
     for (int o = 0; o < 2; ++o)
         if (major && orders[o]) a.kq[o].resize(n * in);
-    if (major) a.kd.resize(n * a.nb), a.kbs.resize(n * a.nb * 16);
+    a.ns = n + 8;
+    if (major) a.kd.resize(n * a.nb + 8);
+    if (major && orders[0]) a.kbt.resize(a.nb * 4 * a.ns * 2);
+    if (major && orders[1]) a.kbs.resize(n * a.nb * 16);
     at::parallel_for(0, n * a.nb, 64, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const float* xb = x + i * block;
@@ -112,7 +119,13 @@ Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (
             if (!major) continue;
             const int64_t m = (i % a.nb) * n + i / a.nb;  // block-major index of (row, block)
             a.kd[m] = a.d[i];
-            std::memcpy(a.kbs.data() + m * 16, a.bs.data() + i * 16, 32);
+            const int16_t* bs = a.bs.data() + i * 16;
+            if (!a.kbs.empty())
+                for (int k = 0; k < 8; ++k)
+                    a.kbs[m * 16 + 2 * k] = bs[2 * (k & 3) + (k >> 2)], a.kbs[m * 16 + 2 * k + 1] = bs[2 * (k & 3) + (k >> 2) + 8];
+            if (!a.kbt.empty())
+                for (int s = 0; s < 8; ++s)  // sub-block s = 2p + (s & 1)
+                    a.kbt[(((i % a.nb) * 4 + s / 2) * a.ns + i / a.nb) * 2 + (s & 1)] = static_cast<int16_t>(bs[2 * s] + bs[2 * s + 1]);
             for (int o = 0; o < 2; ++o)
                 if (!a.kq[o].empty())
                     for (int p = 0; p < 256; ++p) a.kq[o][m * 256 + p] = qb[tables[o][p]];
@@ -187,7 +200,7 @@ void decode_32(const Part& w, int64_t j, int64_t b, int8_t* v) {
 inline int k_group(int type, int k) { return type == Q6_K ? 2 * (k & 3) + (k >> 2) : 2 * k; }
 inline int k_group_step(int type) { return type == Q6_K ? 8 : 1; }
 
-void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* f) {
+void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* f, float* macc) {
     uint8_t v[256];
     int16_t sc16[16], mn16[16];
     for (int64_t b = 0; b < w.nb; ++b) {
@@ -203,12 +216,17 @@ void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_
                 s16[g] = 0;
                 for (int e = 16 * g; e < 16 * g + 16; ++e) s16[g] += int32_t(v[e]) * x[e];
             }
+            const float dx = dw * xd;
             for (int k = 0; k < 8; ++k) {
                 const int g = k_group(w.type, k), h = g + k_group_step(w.type);
-                const int32_t lane = sc16[g] * s16[g] + sc16[h] * s16[h];
-                const int32_t mlane = mn16[2 * k] * bs[2 * k] + mn16[2 * k + 1] * bs[2 * k + 1];
-                const float t = std::fma(-static_cast<float>(mlane), dm, static_cast<float>(lane) * dw);
-                fr[k] = std::fma(t, xd, fr[k]);
+                int32_t lane = sc16[g] * s16[g] + sc16[h] * s16[h];
+                if (w.type == Q6_K) lane -= mn16[g] * bs[g] + mn16[h] * bs[h];  // the values' offset of 32
+                fr[k] = std::fma(static_cast<float>(lane), dx, fr[k]);
+            }
+            if (w.type != Q6_K) {  // the mins: one integer per super-block, one float step per row
+                int32_t mins = 0;
+                for (int g = 0; g < 16; ++g) mins += mn16[g] * bs[g];
+                macc[r - r0] = std::fma(-static_cast<float>(mins), dm * xd, macc[r - r0]);
             }
         }
     }
@@ -451,8 +469,24 @@ inline __m256i k_lanes_natural(const Part& w, int64_t i, const int8_t* x) {
     }
 }
 
+// Q6_K: the scales of lane k's groups g and g + 8 (g = 2 (k & 3) + (k >> 2)) times 32, as int16
+// pairs: VPMADDWD with a row's sums in that order (``Acts::kbs``) gives the lanes' offset terms.
+inline __m256i q6_offsets(const Part& w, int64_t i) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16));
+    const __m128i pairs = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 8, 2, 10, 4, 12, 6, 14, 1, 9, 3, 11, 5, 13, 7, 15));
+    return _mm256_slli_epi16(_mm256_cvtepi8_epi16(pairs), 5);
+}
+
+// A row's float steps per super-block: f += lanes * (dw * xd) on 8 lanes, and for Q4_K / Q5_K
+// macc += -mins * (dm * xd) on one float, mins = sum over the sub-blocks of min times the
+// activations' sum. The mins of a tile's rows take one vector step per 8 rows (``Acts::kbt``);
+// Q6_K folds its values' offset of 32 into the integer lanes (dm = dw).
 template <int T, int R>
-inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f) {
+inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f, float* macc) {
+    constexpr bool has_min = T != Q6_K;
+    constexpr int C = (R + 7) / 8;  // vectors of 8 rows
+    __m256 mv[C];
+    for (int c = 0; c < C; ++c) mv[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w.nb; ++b) {
         const int64_t i = j * w.nb + b, m = b * a.n + r0;  // m: the tile's first row of block b
         if constexpr (PF > 0) {
@@ -460,31 +494,63 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
             _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + 64 + PF), _MM_HINT_T0);
             if constexpr (T != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(w.qh + i * (T == Q6_K ? 64 : 32) + PF / 2), _MM_HINT_T0);
         }
-        __m256i mscale;
-        if constexpr (T == Q6_K)
-            mscale = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16))), 5);
-        else
-            mscale = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)));
-        const __m256 dw = _mm256_set1_ps(w.d[i]), dm = T == Q6_K ? dw : _mm256_set1_ps(w.dm[i]);
+        const float dw = w.d[i], dm = has_min ? w.dm[i] : 0.f;
         if constexpr (R == 1) {
             const int64_t ab = r0 * a.nb + b;
-            const __m256i lanes = k_lanes_natural<T>(w, i, a.row(r0) + b * 256);
-            const __m256i mins = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16)));
-            const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dm, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), dw));
-            f[0] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(a.d.data() + ab), f[0]);
+            const float xd = a.d[ab];
+            __m256i lanes = k_lanes_natural<T>(w, i, a.row(r0) + b * 256);
+            const __m256i bs = load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16));
+            if constexpr (has_min) {
+                const __m256i mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16))), bs);
+                const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(mins), _mm256_extracti128_si256(mins, 1));
+                const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+                const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
+                macc[0] = std::fma(-static_cast<float>(total), dm * xd, macc[0]);
+            } else {  // pair (sum of group j, of group j + 8) in dword j, then dword g(k) into lane k
+                const __m128i lo = _mm256_castsi256_si128(bs), hi = _mm256_extracti128_si256(bs, 1);
+                const __m256i pairs = _mm256_permutevar8x32_epi32(_mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi)),
+                                                                  _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+                lanes = _mm256_sub_epi32(lanes, _mm256_madd_epi16(q6_offsets(w, i), pairs));
+            }
+            f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * xd), f[0]);
             continue;
+        }
+        alignas(32) float dx[8 * C];
+        const __m256 dw8 = _mm256_set1_ps(dw), dm8 = _mm256_set1_ps(dm);
+        __m256i mnp[4];
+        if constexpr (has_min) {  // int16 pairs (min of sub-block 2p, of 2p + 1)
+            const __m128i mn = _mm_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)),
+                                                                  _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1)));
+            mnp[0] = _mm256_broadcastd_epi32(mn), mnp[1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
+            mnp[2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), mnp[3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
+        }
+        for (int c = 0; c < C; ++c) {
+            const __m256 xd = _mm256_loadu_ps(a.kd.data() + m + 8 * c);
+            _mm256_store_ps(dx + 8 * c, _mm256_mul_ps(dw8, xd));
+            if constexpr (has_min) {
+                const int16_t* bt = a.kbt.data() + ((b * 4) * a.ns + r0 + 8 * c) * 2;
+                __m256i mins = _mm256_madd_epi16(mnp[0], load32(reinterpret_cast<const int8_t*>(bt)));
+                for (int p = 1; p < 4; ++p)
+                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[p], load32(reinterpret_cast<const int8_t*>(bt + p * a.ns * 2))));
+                mv[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm8, xd), mv[c]);
+            }
         }
         const KBlock k = decode_block<T>(w, i);
         const int8_t* x = a.kq[T == Q6_K ? 1 : 0].data() + m * 256;
-        const int16_t* bs = a.kbs.data() + m * 16;
-        const float* xd = a.kd.data() + m;
+        __m256i offsets;
+        if constexpr (!has_min) offsets = q6_offsets(w, i);
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {  // f += xd * (dw * lanes - dm * min terms)
-            const __m256i lanes = k_lanes<T>(k, x + 256 * r);
-            const __m256i mins = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(bs + 16 * r)));
-            const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dm, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), dw));
-            f[r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(xd + r), f[r]);
+        for (int r = 0; r < R; ++r) {
+            __m256i lanes = k_lanes<T>(k, x + 256 * r);
+            if constexpr (!has_min)
+                lanes = _mm256_sub_epi32(lanes, _mm256_madd_epi16(offsets, load32(reinterpret_cast<const int8_t*>(a.kbs.data() + (m + r) * 16))));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_broadcast_ss(dx + r), f[r]);
         }
+    }
+    if constexpr (has_min && R > 1) {
+        alignas(32) float mins[8 * C];
+        for (int c = 0; c < C; ++c) _mm256_store_ps(mins + 8 * c, mv[c]);
+        for (int r = 0; r < R; ++r) macc[r] = mins[r];
     }
 }
 
@@ -545,7 +611,7 @@ void tile(const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t
     float macc[R] = {};
     for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
     if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
-        tile_k<T, R>(w, a, j, r0, f);
+        tile_k<T, R>(w, a, j, r0, f, macc);
     else
         tile_32<T, R>(w, a, j, r0, f, macc);
     for (int r = 0; r < R; ++r) {
@@ -597,7 +663,7 @@ void output_rows(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y,
             const int64_t rows = std::min<int64_t>(RT, a.n - r0);
             float lanes[RT * 8] = {}, macc[RT] = {};
             if (is_k(w.type))
-                rows_k_portable(w, a, j, r0, rows, lanes);
+                rows_k_portable(w, a, j, r0, rows, lanes, macc);
             else
                 rows_32_portable(w, a, j, r0, rows, lanes, macc);
             for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = reduce8(lanes + 8 * r) + macc[r];
