@@ -84,13 +84,69 @@ struct Acts {
     const int8_t* row(int64_t r) const { return q.data() + r * in; }
 };
 
+// One block of a row to int8: amax, the values times 127 / amax rounded to nearest even and
+// clamped to [-127, 127]; returns amax. The AVX2 form gives the same bytes (max is exact in any
+// order and skips NaN like std::max; the multiply, rounding and clamp are the same per value).
+float quantize_block(const float* xb, int64_t block, int8_t* qb) {
+#if defined(__AVX2__)
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t k = 0; k < block; k += 8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + k), abs_mask), mx);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    const auto ints = [&](int64_t k) {
+        const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + k), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+    };
+    for (int64_t k = 0; k < block; k += 32) {
+        const __m256i a = _mm256_packs_epi32(ints(k), ints(k + 8)), b = _mm256_packs_epi32(ints(k + 16), ints(k + 24));
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + k), bytes);
+    }
+    return amax;
+#else
+    float amax = 0.f;
+    for (int64_t k = 0; k < block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t k = 0; k < block; ++k)
+        qb[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[k] * inv), -127.f, 127.f));
+    return amax;
+#endif
+}
+
+// The integer sums of a quantized block: per 16 values (256-blocks) or of all 32 (32-blocks).
+void block_sums(const int8_t* qb, int64_t block, int16_t* bs) {
+#if defined(__AVX2__)
+    for (int64_t k = 0; k < block; k += 32) {  // dword lanes: sums of 4 bytes; then of 16 per half
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + k));
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+        s = _mm256_hadd_epi32(s, s);
+        s = _mm256_hadd_epi32(s, s);
+        const int lo = _mm256_extract_epi32(s, 0), hi = _mm256_extract_epi32(s, 4);
+        if (block == 256)
+            bs[k / 16] = static_cast<int16_t>(lo), bs[k / 16 + 1] = static_cast<int16_t>(hi);
+        else
+            bs[0] = static_cast<int16_t>(lo + hi);
+    }
+#else
+    const int64_t sums = block == 256 ? 16 : 1, per = block / sums;
+    for (int64_t s = 0; s < sums; ++s) {
+        int sum = 0;
+        for (int64_t k = 0; k < per; ++k) sum += qb[s * per + k];
+        bs[s] = static_cast<int16_t>(sum);
+    }
+#endif
+}
+
 Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (&orders)[2] = {false, false}) {
     Acts a;
     a.n = n, a.in = in, a.block = block, a.nb = in / block, a.sums = block == 256 ? 16 : 1;
     a.q.resize(n * in), a.d.resize(n * a.nb), a.bs.resize(n * a.nb * a.sums);
-    static const auto tables = [] {
-        std::array<std::array<uint8_t, 256>, 2> t{};
-        for (int p = 0; p < 256; ++p) t[0][p] = kperm(true, p), t[1][p] = kperm(false, p);
+    static const auto tables = [] {  // kperm moves whole dwords: dword p / 4 takes dword kperm(p) / 4
+        std::array<std::array<uint8_t, 64>, 2> t{};
+        for (int p = 0; p < 64; ++p) t[0][p] = kperm(true, 4 * p) / 4, t[1][p] = kperm(false, 4 * p) / 4;
         return t;
     }();
     const bool major = n > 1 && (orders[0] || orders[1]);  // one-row tiles read the natural order
@@ -104,18 +160,9 @@ Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (
         for (int64_t i = begin; i < end; ++i) {
             const float* xb = x + i * block;
             int8_t* qb = a.q.data() + i * block;
-            float amax = 0.f;
-            for (int64_t k = 0; k < block; ++k) amax = std::max(amax, std::fabs(xb[k]));
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int64_t k = 0; k < block; ++k)
-                qb[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[k] * inv), -127.f, 127.f));
+            const float amax = quantize_block(xb, block, qb);
             a.d[i] = amax / 127.f;
-            const int64_t per = block / a.sums;
-            for (int64_t s = 0; s < a.sums; ++s) {
-                int sum = 0;
-                for (int64_t k = 0; k < per; ++k) sum += qb[s * per + k];
-                a.bs[i * a.sums + s] = static_cast<int16_t>(sum);
-            }
+            block_sums(qb, block, a.bs.data() + i * a.sums);
             if (!major) continue;
             const int64_t m = (i % a.nb) * n + i / a.nb;  // block-major index of (row, block)
             a.kd[m] = a.d[i];
@@ -128,7 +175,7 @@ Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (
                     a.kbt[(((i % a.nb) * 4 + s / 2) * a.ns + i / a.nb) * 2 + (s & 1)] = static_cast<int16_t>(bs[2 * s] + bs[2 * s + 1]);
             for (int o = 0; o < 2; ++o)
                 if (!a.kq[o].empty())
-                    for (int p = 0; p < 256; ++p) a.kq[o][m * 256 + p] = qb[tables[o][p]];
+                    for (int p = 0; p < 64; ++p) std::memcpy(a.kq[o].data() + m * 256 + 4 * p, qb + 4 * tables[o][p], 4);
         }
     });
     return a;
