@@ -463,34 +463,6 @@ inline __m256i k_lanes(const KBlock& k, const int8_t* x) {
 #endif
 }
 
-#if defined(GGUF_VNNI)
-// Two outputs' lanes (``k_lanes`` of each) for one row, each activation register loaded once for
-// both: a row's 8 loads serve two outputs, which halves the tile's activation reads from L1.
-template <int T>
-inline void k_lanes2(const KBlock& ka, const KBlock& kb, const int8_t* x, __m256i& la, __m256i& lb) {
-    __m256i a0, a1, b0, b1;
-    {
-        const __m256i x0 = load32(x), x4 = load32(x + 128);
-        a0 = dot4(ka.v[0], x0), b0 = dot4(kb.v[0], x0), a1 = dot4(ka.v[4], x4), b1 = dot4(kb.v[4], x4);
-    }
-    for (int e = 1; e < 4; ++e) {
-        const __m256i xe = load32(x + 32 * e), xf = load32(x + 32 * e + 128);
-        a0 = dpbusd(a0, ka.v[e], xe), b0 = dpbusd(b0, kb.v[e], xe);
-        a1 = dpbusd(a1, ka.v[e + 4], xf), b1 = dpbusd(b1, kb.v[e + 4], xf);
-    }
-    if constexpr (T == Q6_K) {
-        la = _mm256_add_epi32(_mm256_mullo_epi32(a0, ka.sc[0]), _mm256_mullo_epi32(a1, ka.sc[1]));
-        lb = _mm256_add_epi32(_mm256_mullo_epi32(b0, kb.sc[0]), _mm256_mullo_epi32(b1, kb.sc[1]));
-    } else {
-        la = _mm256_mullo_epi32(_mm256_add_epi32(a0, a1), ka.sc[0]);
-        lb = _mm256_mullo_epi32(_mm256_add_epi32(b0, b1), kb.sc[0]);
-    }
-}
-constexpr int KP = 2;  // outputs per k-quant tile of two rows or more
-#else
-constexpr int KP = 1;
-#endif
-
 // A one-row tile computes the same lanes without the weight shuffles, which it could not amortize:
 // it multiplies the super-block's registers in their GGUF order (with its activations in natural
 // order) and moves the sums into their lanes with horizontal adds. Register g (natural order) of a
@@ -556,28 +528,21 @@ inline __m256i q6_offsets(const Part& w, int64_t i) {
 // macc += -mins * (dm * xd) on one float, mins = sum over the sub-blocks of min times the
 // activations' sum. The mins of a tile's rows take one vector step per 8 rows (``Acts::kbt``);
 // Q6_K folds its values' offset of 32 into the integer lanes (dm = dw).
-template <int T, int R, int P>
+template <int T, int R>
 inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f, float* macc) {
-    static_assert(P == 1 || (R > 1 && KP == 2), "two outputs at once: VNNI tiles of two rows or more");
     constexpr bool has_min = T != Q6_K;
     constexpr int C = (R + 7) / 8;  // vectors of 8 rows
-    __m256 mv[P][C];
-    for (int p = 0; p < P; ++p)
-        for (int c = 0; c < C; ++c) mv[p][c] = _mm256_setzero_ps();
+    __m256 mv[C];
+    for (int c = 0; c < C; ++c) mv[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w.nb; ++b) {
-        const int64_t m = b * a.n + r0;  // m: the tile's first row of block b
-        int64_t ii[P];  // super-block b of each output
-        for (int p = 0; p < P; ++p) ii[p] = (j + p) * w.nb + b;
-        if constexpr (PF > 0)
-            for (int p = 0; p < P; ++p) {
-                const int64_t i = ii[p];
-                _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + PF), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + 64 + PF), _MM_HINT_T0);
-                if constexpr (T != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(w.qh + i * (T == Q6_K ? 64 : 32) + PF / 2), _MM_HINT_T0);
-            }
+        const int64_t i = j * w.nb + b, m = b * a.n + r0;  // m: the tile's first row of block b
+        if constexpr (PF > 0) {
+            _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + PF), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + 64 + PF), _MM_HINT_T0);
+            if constexpr (T != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(w.qh + i * (T == Q6_K ? 64 : 32) + PF / 2), _MM_HINT_T0);
+        }
+        const float dw = w.d[i], dm = has_min ? w.dm[i] : 0.f;
         if constexpr (R == 1) {
-            const int64_t i = ii[0];
-            const float dw = w.d[i], dm = has_min ? w.dm[i] : 0.f;
             const int64_t ab = r0 * a.nb + b;
             const float xd = a.d[ab];
             __m256i lanes = k_lanes_natural<T>(w, i, a.row(r0) + b * 256);
@@ -597,57 +562,42 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
             f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * xd), f[0]);
             continue;
         }
-        alignas(32) float dx[P][8 * C];
-        __m256i offsets[P];
-        KBlock k[P];
-        for (int p = 0; p < P; ++p) {
-            const int64_t i = ii[p];
-            const __m256 dw8 = _mm256_set1_ps(w.d[i]), dm8 = _mm256_set1_ps(has_min ? w.dm[i] : 0.f);
-            __m256i mnp[4];
-            if constexpr (has_min) {  // int16 pairs (min of sub-block 2q, of 2q + 1)
-                const __m128i mn = _mm_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)),
-                                                                      _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1)));
-                mnp[0] = _mm256_broadcastd_epi32(mn), mnp[1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
-                mnp[2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), mnp[3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
-            }
-            for (int c = 0; c < C; ++c) {
-                const __m256 xd = _mm256_loadu_ps(a.kd.data() + m + 8 * c);
-                _mm256_store_ps(dx[p] + 8 * c, _mm256_mul_ps(dw8, xd));
-                if constexpr (has_min) {
-                    const int16_t* bt = a.kbt.data() + ((b * 4) * a.ns + r0 + 8 * c) * 2;
-                    __m256i mins = _mm256_madd_epi16(mnp[0], load32(reinterpret_cast<const int8_t*>(bt)));
-                    for (int q = 1; q < 4; ++q)
-                        mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[q], load32(reinterpret_cast<const int8_t*>(bt + q * a.ns * 2))));
-                    mv[p][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm8, xd), mv[p][c]);
-                }
-            }
-            k[p] = decode_block<T>(w, i);
-            if constexpr (!has_min) offsets[p] = q6_offsets(w, i);
+        alignas(32) float dx[8 * C];
+        const __m256 dw8 = _mm256_set1_ps(dw), dm8 = _mm256_set1_ps(dm);
+        __m256i mnp[4];
+        if constexpr (has_min) {  // int16 pairs (min of sub-block 2p, of 2p + 1)
+            const __m128i mn = _mm_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)),
+                                                                  _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1)));
+            mnp[0] = _mm256_broadcastd_epi32(mn), mnp[1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
+            mnp[2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), mnp[3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
         }
+        for (int c = 0; c < C; ++c) {
+            const __m256 xd = _mm256_loadu_ps(a.kd.data() + m + 8 * c);
+            _mm256_store_ps(dx + 8 * c, _mm256_mul_ps(dw8, xd));
+            if constexpr (has_min) {
+                const int16_t* bt = a.kbt.data() + ((b * 4) * a.ns + r0 + 8 * c) * 2;
+                __m256i mins = _mm256_madd_epi16(mnp[0], load32(reinterpret_cast<const int8_t*>(bt)));
+                for (int p = 1; p < 4; ++p)
+                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[p], load32(reinterpret_cast<const int8_t*>(bt + p * a.ns * 2))));
+                mv[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm8, xd), mv[c]);
+            }
+        }
+        const KBlock k = decode_block<T>(w, i);
         const int8_t* x = a.kq[T == Q6_K ? 1 : 0].data() + m * 256;
+        __m256i offsets;
+        if constexpr (!has_min) offsets = q6_offsets(w, i);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            __m256i lanes[P];
-#if defined(GGUF_VNNI)
-            if constexpr (P == 2)
-                k_lanes2<T>(k[0], k[1], x + 256 * r, lanes[0], lanes[1]);
-            else
-#endif
-                lanes[0] = k_lanes<T>(k[0], x + 256 * r);
-            __m256i bs;
-            if constexpr (!has_min) bs = load32(reinterpret_cast<const int8_t*>(a.kbs.data() + (m + r) * 16));
-            for (int p = 0; p < P; ++p) {
-                if constexpr (!has_min) lanes[p] = _mm256_sub_epi32(lanes[p], _mm256_madd_epi16(offsets[p], bs));
-                f[p * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[p]), _mm256_broadcast_ss(dx[p] + r), f[p * R + r]);
-            }
+            __m256i lanes = k_lanes<T>(k, x + 256 * r);
+            if constexpr (!has_min)
+                lanes = _mm256_sub_epi32(lanes, _mm256_madd_epi16(offsets, load32(reinterpret_cast<const int8_t*>(a.kbs.data() + (m + r) * 16))));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_broadcast_ss(dx + r), f[r]);
         }
     }
     if constexpr (has_min && R > 1) {
         alignas(32) float mins[8 * C];
-        for (int p = 0; p < P; ++p) {
-            for (int c = 0; c < C; ++c) _mm256_store_ps(mins + 8 * c, mv[p][c]);
-            for (int r = 0; r < R; ++r) macc[p * R + r] = mins[r];
-        }
+        for (int c = 0; c < C; ++c) _mm256_store_ps(mins + 8 * c, mv[c]);
+        for (int r = 0; r < R; ++r) macc[r] = mins[r];
     }
 }
 
@@ -702,42 +652,27 @@ inline void tile_32(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256*
     }
 }
 
-// Outputs j .. j + P - 1 (columns col ..) of rows r0 .. r0 + R - 1.
-template <int T, int R, int P = 1>
+template <int T, int R>
 void tile(const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t ystride, int64_t col) {
-    __m256 f[P * R];
-    float macc[P * R] = {};
-    for (int r = 0; r < P * R; ++r) f[r] = _mm256_setzero_ps();
+    __m256 f[R];
+    float macc[R] = {};
+    for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
     if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
-        tile_k<T, R, P>(w, a, j, r0, f, macc);
+        tile_k<T, R>(w, a, j, r0, f, macc);
     else
         tile_32<T, R>(w, a, j, r0, f, macc);
-    for (int p = 0; p < P; ++p)
-        for (int r = 0; r < R; ++r) {
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, f[p * R + r]);
-            y[(r0 + r) * ystride + col + p] = reduce8(lanes) + macc[p * R + r];
-        }
-}
-
-// Outputs j0 .. j1 - 1 of one tile of R rows: by KP outputs at once where the build and type
-// have such tiles (k-quants on VNNI, 2 to 5 rows; from 6 rows on, two outputs' accumulators and
-// weight registers no longer fit the 32 registers, and one output at a time was as fast or
-// faster: 8 rows 24.3 against 23.1 ns a super-block, 12 rows 35.9 against 34.5, Q4_K).
-template <int T, int R>
-void tile_outputs(const Part& w, const Acts& a, int64_t j0, int64_t j1, int64_t r0, float* y, int64_t ys, int64_t col0) {
-    constexpr bool pairs = KP == 2 && R > 1 && R <= 5 && (T == Q4_K || T == Q5_K || T == Q6_K);
-    int64_t j = j0;
-    if constexpr (pairs)
-        for (; j + 2 <= j1; j += 2) tile<T, R, (pairs ? 2 : 1)>(w, a, j, r0, y, ys, col0 + j - j0);
-    for (; j < j1; ++j) tile<T, R>(w, a, j, r0, y, ys, col0 + j - j0);
+    for (int r = 0; r < R; ++r) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, f[r]);
+        y[(r0 + r) * ystride + col] = reduce8(lanes) + macc[r];
+    }
 }
 
 template <int T, int R>
-void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j0, int64_t j1, int64_t r0, float* y, int64_t ys, int64_t col0) {
+void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t ys, int64_t col) {
     if constexpr (R > 0) {
-        if (rows == R) return tile_outputs<T, R>(w, a, j0, j1, r0, y, ys, col0);
-        tile_rest<T, R - 1>(rows, w, a, j0, j1, r0, y, ys, col0);
+        if (rows == R) return tile<T, R>(w, a, j, r0, y, ys, col);
+        tile_rest<T, R - 1>(rows, w, a, j, r0, y, ys, col);
     }
 }
 
@@ -748,8 +683,9 @@ void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j0, int64_t j
 template <int T>
 void rows_of(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
     int64_t r = 0;
-    for (; a.n - r > TMAX; r += RT) tile_outputs<T, RT>(w, a, j0, j1, r, y, ystride, col0);
-    tile_rest<T, TMAX>(a.n - r, w, a, j0, j1, r, y, ystride, col0);
+    for (; a.n - r > TMAX; r += RT)
+        for (int64_t j = j0; j < j1; ++j) tile<T, RT>(w, a, j, r, y, ystride, col0 + j - j0);
+    for (int64_t j = j0; j < j1; ++j) tile_rest<T, TMAX>(a.n - r, w, a, j, r, y, ystride, col0 + j - j0);
 }
 
 void output_rows(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
