@@ -14,7 +14,8 @@
 // order. Floats enter once per block, in a fixed sequence per (row, output): an 8-lane FMA chain
 // over the blocks, reduced by ``reduce8``'s fixed tree, whose lane k holds a fixed set of the
 // block's integer products: for a 32-block its bytes 4k..4k+3; for a k-quant super-block two
-// 16-value groups times their scales (see the portable build). So a row gets the same bits alone
+// 16-value groups times their scales (see the portable build); plus one float FMA chain for the
+// mins (Q4_1, Q5_1, Q4_K, Q5_K), added after the tree. So a row gets the same bits alone
 // and among any rows at any position, and the three builds give the same bits as each other:
 // portable (plain C++, for CPUs without AVX2), AVX2, and VNNI (VPDPBUSD where AVX2 takes
 // VPMADDUBSW and VPMADDWD, from AVX-512 VNNI or AVX-VNNI).
@@ -237,10 +238,12 @@ void decode_32(const Part& w, int64_t j, int64_t b, int8_t* v) {
 // ---- Portable build: the SIMD builds' arithmetic, lane by lane. ------------------------------
 // A k-quant super-block gives 8 int32 lanes, each the sum of two 16-value groups' products times
 // their scales: Q4_K / Q5_K lane k holds groups 2k and 2k+1 (sub-block k, one scale), Q6_K lane k
-// groups g and g + 8 with g = 2 (k & 3) + (k >> 2). Every lane is then converted to float once per
-// super-block, like its min term (lane k: the mins of groups 2k and 2k+1 times their activation
-// sums). A 32-block's lane k holds bytes 4k..4k+3. The float accumulators have the same 8 lanes
-// and the same FMA sequence in every build.
+// groups g and g + 8 with g = 2 (k & 3) + (k >> 2), less 32 times those groups' scales times their
+// activation sums (Q6_K's values are unsigned minus 32). Every lane is converted to float once per
+// super-block and accumulated by one FMA with dw * xd (the weight's and the row's scales); the
+// mins of Q4_K / Q5_K are one integer per super-block (each sub-block's min times its activation
+// sum) and one FMA with dm * xd into a float of their own, subtracted after the lanes' tree. A
+// 32-block's lane k holds bytes 4k..4k+3. Every build has the same lanes and FMA sequences.
 
 // The first of the two 16-value groups lane k of a k-quant super-block holds (the other: + 1 for
 // Q4_K / Q5_K, + 8 for Q6_K).
@@ -352,7 +355,10 @@ inline __m256i dot4(__m256i u, __m256i s) {
 // magnitude for values <= 15, 31, 63 against activations in [-127, 127], so never wrapped), then
 // one VPMADDWD by the scales per sum. In tiles of two rows or more the registers are shuffled out
 // of the GGUF layout once per super-block for all rows of the tile, and each row's activations are
-// stored once per call in the matching order (``kperm``).
+// stored once per call in the matching order (``kperm``). What a row then adds per super-block is
+// its multiplies, the scales' VPMULLD (VNNI), Q6_K's offset VPMADDWD and one FMA; with 9 rows or
+// more that, not the decoding, is most of a tile's time, with the loads of its 8 activation
+// registers per output and super-block (docs/GGUF_NATIVE.md, "Verify rows").
 
 // A decoded super-block: its 8 value registers in ``kperm`` order and its scales per lane (VNNI:
 // int32 lanes; AVX2: each int16 pair of a lane; Q6_K: one vector per group of 4 registers).
