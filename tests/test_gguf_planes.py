@@ -57,12 +57,12 @@ def test_kernel_matches_dequantized_reference(type_name: str) -> None:
 @pytest.mark.parametrize("type_name", NATIVE)
 def test_rows_bitwise_invariant_and_builds_agree(type_name: str) -> None:
     w, _, _ = _weight(type_name, 37, 512, seed=2)  # 37 outputs: uneven thread split
-    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(1)) * 3
+    x = torch.randn(24, 512, generator=torch.Generator().manual_seed(1)) * 3
     results = []
     for build in _builds():
-        alone = torch.cat([build.linear_gguf(x[i : i + 1].contiguous(), [w.part]) for i in range(16)])
-        for n in range(1, 17):
-            for start in range(17 - n):  # every offset: rows land in every tile position
+        alone = torch.cat([build.linear_gguf(x[i : i + 1].contiguous(), [w.part]) for i in range(24)])
+        for n in range(1, 25):  # one tile up to 15 rows, then tiles of 8 and a last one of 8 to 15
+            for start in range(25 - n):  # every offset: rows land in every tile position
                 got = build.linear_gguf(x[start : start + n].contiguous(), [w.part])
                 assert torch.equal(got, alone[start : start + n]), (type_name, build.isa(), n, start)
         results.append(alone)

@@ -14,7 +14,8 @@
 // order. Floats enter once per block, in a fixed sequence per (row, output): an 8-lane FMA chain
 // over the blocks, reduced by ``reduce8``'s fixed tree, whose lane k holds a fixed set of the
 // block's integer products: for a 32-block its bytes 4k..4k+3; for a k-quant super-block two
-// 16-value groups times their scales (see the portable build). So a row gets the same bits alone
+// 16-value groups times their scales (see the portable build); plus one float FMA chain for the
+// mins (Q4_1, Q5_1, Q4_K, Q5_K), added after the tree. So a row gets the same bits alone
 // and among any rows at any position, and the three builds give the same bits as each other:
 // portable (plain C++, for CPUs without AVX2), AVX2, and VNNI (VPDPBUSD where AVX2 takes
 // VPMADDUBSW and VPMADDWD, from AVX-512 VNNI or AVX-VNNI).
@@ -69,53 +70,113 @@ inline int kperm(bool q4, int p) {
 // Quantized activations of n rows in blocks of ``block`` inputs: int8 values in [-127, 127], one
 // float scale per block, and integer sums per 16 inputs (k-quants) or per block (32-blocks). The
 // SIMD builds also keep the 256-blocks block-major, so that one block of consecutive rows is
-// contiguous and a tile reads row r at a fixed offset: ``kq[o]`` [nb][n][256] in ``kperm`` order
-// o (0: Q4_K / Q5_K, 1: Q6_K; made when a call has such a type and two rows or more, since
-// one-row tiles read the natural order), ``kbs`` [nb][n][16], ``kd`` [nb][n].
+// contiguous and a tile reads row r at a fixed offset (made when a call has such a type and two
+// rows or more, since one-row tiles read the natural order): ``kq[o]`` [nb][n][256] in ``kperm``
+// order o (0: Q4_K / Q5_K, 1: Q6_K); ``kd`` [nb][n] (+ 8 zeros: a tile reads 8 rows at a time);
+// for Q6_K ``kbs`` [nb][n][16], the sums per 16 as lane k of the lanes by group holds them, the
+// pair (group g, group g + 8) with g = 2 (k & 3) + (k >> 2); for Q4_K / Q5_K ``kbt``
+// [nb][4][ns][2], the sums per 32 (sub-block 2p and 2p + 1 at [b][p][row]), so that one load
+// gives 8 rows' pairs (ns = n + 8).
 struct Acts {
-    int64_t n = 0, in = 0, block = 0, nb = 0, sums = 0;
+    int64_t n = 0, in = 0, block = 0, nb = 0, sums = 0, ns = 0;
     std::vector<int8_t> q, kq[2];
     std::vector<float> d, kd;
-    std::vector<int16_t> bs, kbs;
+    std::vector<int16_t> bs, kbs, kbt;
     const int8_t* row(int64_t r) const { return q.data() + r * in; }
 };
+
+// One block of a row to int8: amax, the values times 127 / amax rounded to nearest even and
+// clamped to [-127, 127]; returns amax. The AVX2 form gives the same bytes (max is exact in any
+// order and skips NaN like std::max; the multiply, rounding and clamp are the same per value).
+float quantize_block(const float* xb, int64_t block, int8_t* qb) {
+#if defined(__AVX2__)
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t k = 0; k < block; k += 8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + k), abs_mask), mx);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    const auto ints = [&](int64_t k) {
+        const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + k), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+    };
+    for (int64_t k = 0; k < block; k += 32) {
+        const __m256i a = _mm256_packs_epi32(ints(k), ints(k + 8)), b = _mm256_packs_epi32(ints(k + 16), ints(k + 24));
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + k), bytes);
+    }
+    return amax;
+#else
+    float amax = 0.f;
+    for (int64_t k = 0; k < block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t k = 0; k < block; ++k)
+        qb[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[k] * inv), -127.f, 127.f));
+    return amax;
+#endif
+}
+
+// The integer sums of a quantized block: per 16 values (256-blocks) or of all 32 (32-blocks).
+void block_sums(const int8_t* qb, int64_t block, int16_t* bs) {
+#if defined(__AVX2__)
+    for (int64_t k = 0; k < block; k += 32) {  // dword lanes: sums of 4 bytes; then of 16 per half
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + k));
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+        s = _mm256_hadd_epi32(s, s);
+        s = _mm256_hadd_epi32(s, s);
+        const int lo = _mm256_extract_epi32(s, 0), hi = _mm256_extract_epi32(s, 4);
+        if (block == 256)
+            bs[k / 16] = static_cast<int16_t>(lo), bs[k / 16 + 1] = static_cast<int16_t>(hi);
+        else
+            bs[0] = static_cast<int16_t>(lo + hi);
+    }
+#else
+    const int64_t sums = block == 256 ? 16 : 1, per = block / sums;
+    for (int64_t s = 0; s < sums; ++s) {
+        int sum = 0;
+        for (int64_t k = 0; k < per; ++k) sum += qb[s * per + k];
+        bs[s] = static_cast<int16_t>(sum);
+    }
+#endif
+}
 
 Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (&orders)[2] = {false, false}) {
     Acts a;
     a.n = n, a.in = in, a.block = block, a.nb = in / block, a.sums = block == 256 ? 16 : 1;
     a.q.resize(n * in), a.d.resize(n * a.nb), a.bs.resize(n * a.nb * a.sums);
-    static const auto tables = [] {
-        std::array<std::array<uint8_t, 256>, 2> t{};
-        for (int p = 0; p < 256; ++p) t[0][p] = kperm(true, p), t[1][p] = kperm(false, p);
+    static const auto tables = [] {  // kperm moves whole dwords: dword p / 4 takes dword kperm(p) / 4
+        std::array<std::array<uint8_t, 64>, 2> t{};
+        for (int p = 0; p < 64; ++p) t[0][p] = kperm(true, 4 * p) / 4, t[1][p] = kperm(false, 4 * p) / 4;
         return t;
     }();
     const bool major = n > 1 && (orders[0] || orders[1]);  // one-row tiles read the natural order
     for (int o = 0; o < 2; ++o)
         if (major && orders[o]) a.kq[o].resize(n * in);
-    if (major) a.kd.resize(n * a.nb), a.kbs.resize(n * a.nb * 16);
+    a.ns = n + 8;
+    if (major) a.kd.resize(n * a.nb + 8);
+    if (major && orders[0]) a.kbt.resize(a.nb * 4 * a.ns * 2);
+    if (major && orders[1]) a.kbs.resize(n * a.nb * 16);
     at::parallel_for(0, n * a.nb, 64, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const float* xb = x + i * block;
             int8_t* qb = a.q.data() + i * block;
-            float amax = 0.f;
-            for (int64_t k = 0; k < block; ++k) amax = std::max(amax, std::fabs(xb[k]));
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            for (int64_t k = 0; k < block; ++k)
-                qb[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[k] * inv), -127.f, 127.f));
+            const float amax = quantize_block(xb, block, qb);
             a.d[i] = amax / 127.f;
-            const int64_t per = block / a.sums;
-            for (int64_t s = 0; s < a.sums; ++s) {
-                int sum = 0;
-                for (int64_t k = 0; k < per; ++k) sum += qb[s * per + k];
-                a.bs[i * a.sums + s] = static_cast<int16_t>(sum);
-            }
+            block_sums(qb, block, a.bs.data() + i * a.sums);
             if (!major) continue;
             const int64_t m = (i % a.nb) * n + i / a.nb;  // block-major index of (row, block)
             a.kd[m] = a.d[i];
-            std::memcpy(a.kbs.data() + m * 16, a.bs.data() + i * 16, 32);
+            const int16_t* bs = a.bs.data() + i * 16;
+            if (!a.kbs.empty())
+                for (int k = 0; k < 8; ++k)
+                    a.kbs[m * 16 + 2 * k] = bs[2 * (k & 3) + (k >> 2)], a.kbs[m * 16 + 2 * k + 1] = bs[2 * (k & 3) + (k >> 2) + 8];
+            if (!a.kbt.empty())
+                for (int s = 0; s < 8; ++s)  // sub-block s = 2p + (s & 1)
+                    a.kbt[(((i % a.nb) * 4 + s / 2) * a.ns + i / a.nb) * 2 + (s & 1)] = static_cast<int16_t>(bs[2 * s] + bs[2 * s + 1]);
             for (int o = 0; o < 2; ++o)
                 if (!a.kq[o].empty())
-                    for (int p = 0; p < 256; ++p) a.kq[o][m * 256 + p] = qb[tables[o][p]];
+                    for (int p = 0; p < 64; ++p) std::memcpy(a.kq[o].data() + m * 256 + 4 * p, qb + 4 * tables[o][p], 4);
         }
     });
     return a;
@@ -177,17 +238,19 @@ void decode_32(const Part& w, int64_t j, int64_t b, int8_t* v) {
 // ---- Portable build: the SIMD builds' arithmetic, lane by lane. ------------------------------
 // A k-quant super-block gives 8 int32 lanes, each the sum of two 16-value groups' products times
 // their scales: Q4_K / Q5_K lane k holds groups 2k and 2k+1 (sub-block k, one scale), Q6_K lane k
-// groups g and g + 8 with g = 2 (k & 3) + (k >> 2). Every lane is then converted to float once per
-// super-block, like its min term (lane k: the mins of groups 2k and 2k+1 times their activation
-// sums). A 32-block's lane k holds bytes 4k..4k+3. The float accumulators have the same 8 lanes
-// and the same FMA sequence in every build.
+// groups g and g + 8 with g = 2 (k & 3) + (k >> 2), less 32 times those groups' scales times their
+// activation sums (Q6_K's values are unsigned minus 32). Every lane is converted to float once per
+// super-block and accumulated by one FMA with dw * xd (the weight's and the row's scales); the
+// mins of Q4_K / Q5_K are one integer per super-block (each sub-block's min times its activation
+// sum) and one FMA with dm * xd into a float of their own, subtracted after the lanes' tree. A
+// 32-block's lane k holds bytes 4k..4k+3. Every build has the same lanes and FMA sequences.
 
 // The first of the two 16-value groups lane k of a k-quant super-block holds (the other: + 1 for
 // Q4_K / Q5_K, + 8 for Q6_K).
 inline int k_group(int type, int k) { return type == Q6_K ? 2 * (k & 3) + (k >> 2) : 2 * k; }
 inline int k_group_step(int type) { return type == Q6_K ? 8 : 1; }
 
-void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* f) {
+void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_t rows, float* f, float* macc) {
     uint8_t v[256];
     int16_t sc16[16], mn16[16];
     for (int64_t b = 0; b < w.nb; ++b) {
@@ -203,12 +266,17 @@ void rows_k_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64_
                 s16[g] = 0;
                 for (int e = 16 * g; e < 16 * g + 16; ++e) s16[g] += int32_t(v[e]) * x[e];
             }
+            const float dx = dw * xd;
             for (int k = 0; k < 8; ++k) {
                 const int g = k_group(w.type, k), h = g + k_group_step(w.type);
-                const int32_t lane = sc16[g] * s16[g] + sc16[h] * s16[h];
-                const int32_t mlane = mn16[2 * k] * bs[2 * k] + mn16[2 * k + 1] * bs[2 * k + 1];
-                const float t = std::fma(-static_cast<float>(mlane), dm, static_cast<float>(lane) * dw);
-                fr[k] = std::fma(t, xd, fr[k]);
+                int32_t lane = sc16[g] * s16[g] + sc16[h] * s16[h];
+                if (w.type == Q6_K) lane -= mn16[g] * bs[g] + mn16[h] * bs[h];  // the values' offset of 32
+                fr[k] = std::fma(static_cast<float>(lane), dx, fr[k]);
+            }
+            if (w.type != Q6_K) {  // the mins: one integer per super-block, one float step per row
+                int32_t mins = 0;
+                for (int g = 0; g < 16; ++g) mins += mn16[g] * bs[g];
+                macc[r - r0] = std::fma(-static_cast<float>(mins), dm * xd, macc[r - r0]);
             }
         }
     }
@@ -240,6 +308,9 @@ void rows_32_portable(const Part& w, const Acts& a, int64_t j, int64_t r0, int64
 #define GGUF_RT 8
 #endif
 constexpr int RT = GGUF_RT;  // rows per tile; build with -DGGUF_RT=N to compare (8 was fastest of 4-16)
+// The last tile takes up to TMAX rows, so that a call of up to TMAX rows (a verify step) decodes
+// each block once and no call ends in a small tile that decodes the weights again for a row or two.
+constexpr int TMAX = 2 * RT - 1;
 #ifndef GGUF_PF
 #define GGUF_PF 4096
 #endif
@@ -284,7 +355,10 @@ inline __m256i dot4(__m256i u, __m256i s) {
 // magnitude for values <= 15, 31, 63 against activations in [-127, 127], so never wrapped), then
 // one VPMADDWD by the scales per sum. In tiles of two rows or more the registers are shuffled out
 // of the GGUF layout once per super-block for all rows of the tile, and each row's activations are
-// stored once per call in the matching order (``kperm``).
+// stored once per call in the matching order (``kperm``). What a row then adds per super-block is
+// its multiplies, the scales' VPMULLD (VNNI), Q6_K's offset VPMADDWD and one FMA; with 9 rows or
+// more that, not the decoding, is most of a tile's time, with the loads of its 8 activation
+// registers per output and super-block (docs/GGUF_NATIVE.md, "Verify rows").
 
 // A decoded super-block: its 8 value registers in ``kperm`` order and its scales per lane (VNNI:
 // int32 lanes; AVX2: each int16 pair of a lane; Q6_K: one vector per group of 4 registers).
@@ -448,8 +522,24 @@ inline __m256i k_lanes_natural(const Part& w, int64_t i, const int8_t* x) {
     }
 }
 
+// Q6_K: the scales of lane k's groups g and g + 8 (g = 2 (k & 3) + (k >> 2)) times 32, as int16
+// pairs: VPMADDWD with a row's sums in that order (``Acts::kbs``) gives the lanes' offset terms.
+inline __m256i q6_offsets(const Part& w, int64_t i) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16));
+    const __m128i pairs = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 8, 2, 10, 4, 12, 6, 14, 1, 9, 3, 11, 5, 13, 7, 15));
+    return _mm256_slli_epi16(_mm256_cvtepi8_epi16(pairs), 5);
+}
+
+// A row's float steps per super-block: f += lanes * (dw * xd) on 8 lanes, and for Q4_K / Q5_K
+// macc += -mins * (dm * xd) on one float, mins = sum over the sub-blocks of min times the
+// activations' sum. The mins of a tile's rows take one vector step per 8 rows (``Acts::kbt``);
+// Q6_K folds its values' offset of 32 into the integer lanes (dm = dw).
 template <int T, int R>
-inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f) {
+inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* f, float* macc) {
+    constexpr bool has_min = T != Q6_K;
+    constexpr int C = (R + 7) / 8;  // vectors of 8 rows
+    __m256 mv[C];
+    for (int c = 0; c < C; ++c) mv[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w.nb; ++b) {
         const int64_t i = j * w.nb + b, m = b * a.n + r0;  // m: the tile's first row of block b
         if constexpr (PF > 0) {
@@ -457,31 +547,63 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
             _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + 64 + PF), _MM_HINT_T0);
             if constexpr (T != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(w.qh + i * (T == Q6_K ? 64 : 32) + PF / 2), _MM_HINT_T0);
         }
-        __m256i mscale;
-        if constexpr (T == Q6_K)
-            mscale = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + i * 16))), 5);
-        else
-            mscale = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)));
-        const __m256 dw = _mm256_set1_ps(w.d[i]), dm = T == Q6_K ? dw : _mm256_set1_ps(w.dm[i]);
+        const float dw = w.d[i], dm = has_min ? w.dm[i] : 0.f;
         if constexpr (R == 1) {
             const int64_t ab = r0 * a.nb + b;
-            const __m256i lanes = k_lanes_natural<T>(w, i, a.row(r0) + b * 256);
-            const __m256i mins = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16)));
-            const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dm, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), dw));
-            f[0] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(a.d.data() + ab), f[0]);
+            const float xd = a.d[ab];
+            __m256i lanes = k_lanes_natural<T>(w, i, a.row(r0) + b * 256);
+            const __m256i bs = load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16));
+            if constexpr (has_min) {
+                const __m256i mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16))), bs);
+                const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(mins), _mm256_extracti128_si256(mins, 1));
+                const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+                const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
+                macc[0] = std::fma(-static_cast<float>(total), dm * xd, macc[0]);
+            } else {  // pair (sum of group j, of group j + 8) in dword j, then dword g(k) into lane k
+                const __m128i lo = _mm256_castsi256_si128(bs), hi = _mm256_extracti128_si256(bs, 1);
+                const __m256i pairs = _mm256_permutevar8x32_epi32(_mm256_set_m128i(_mm_unpackhi_epi16(lo, hi), _mm_unpacklo_epi16(lo, hi)),
+                                                                  _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+                lanes = _mm256_sub_epi32(lanes, _mm256_madd_epi16(q6_offsets(w, i), pairs));
+            }
+            f[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * xd), f[0]);
             continue;
+        }
+        alignas(32) float dx[8 * C];
+        const __m256 dw8 = _mm256_set1_ps(dw), dm8 = _mm256_set1_ps(dm);
+        __m256i mnp[4];
+        if constexpr (has_min) {  // int16 pairs (min of sub-block 2p, of 2p + 1)
+            const __m128i mn = _mm_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)),
+                                                                  _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1)));
+            mnp[0] = _mm256_broadcastd_epi32(mn), mnp[1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
+            mnp[2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), mnp[3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
+        }
+        for (int c = 0; c < C; ++c) {
+            const __m256 xd = _mm256_loadu_ps(a.kd.data() + m + 8 * c);
+            _mm256_store_ps(dx + 8 * c, _mm256_mul_ps(dw8, xd));
+            if constexpr (has_min) {
+                const int16_t* bt = a.kbt.data() + ((b * 4) * a.ns + r0 + 8 * c) * 2;
+                __m256i mins = _mm256_madd_epi16(mnp[0], load32(reinterpret_cast<const int8_t*>(bt)));
+                for (int p = 1; p < 4; ++p)
+                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[p], load32(reinterpret_cast<const int8_t*>(bt + p * a.ns * 2))));
+                mv[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm8, xd), mv[c]);
+            }
         }
         const KBlock k = decode_block<T>(w, i);
         const int8_t* x = a.kq[T == Q6_K ? 1 : 0].data() + m * 256;
-        const int16_t* bs = a.kbs.data() + m * 16;
-        const float* xd = a.kd.data() + m;
+        __m256i offsets;
+        if constexpr (!has_min) offsets = q6_offsets(w, i);
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {  // f += xd * (dw * lanes - dm * min terms)
-            const __m256i lanes = k_lanes<T>(k, x + 256 * r);
-            const __m256i mins = _mm256_madd_epi16(mscale, load32(reinterpret_cast<const int8_t*>(bs + 16 * r)));
-            const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), dm, _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), dw));
-            f[r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(xd + r), f[r]);
+        for (int r = 0; r < R; ++r) {
+            __m256i lanes = k_lanes<T>(k, x + 256 * r);
+            if constexpr (!has_min)
+                lanes = _mm256_sub_epi32(lanes, _mm256_madd_epi16(offsets, load32(reinterpret_cast<const int8_t*>(a.kbs.data() + (m + r) * 16))));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_broadcast_ss(dx + r), f[r]);
         }
+    }
+    if constexpr (has_min && R > 1) {
+        alignas(32) float mins[8 * C];
+        for (int c = 0; c < C; ++c) _mm256_store_ps(mins + 8 * c, mv[c]);
+        for (int r = 0; r < R; ++r) macc[r] = mins[r];
     }
 }
 
@@ -542,7 +664,7 @@ void tile(const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t
     float macc[R] = {};
     for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
     if constexpr (T == Q4_K || T == Q5_K || T == Q6_K)
-        tile_k<T, R>(w, a, j, r0, f);
+        tile_k<T, R>(w, a, j, r0, f, macc);
     else
         tile_32<T, R>(w, a, j, r0, f, macc);
     for (int r = 0; r < R; ++r) {
@@ -567,9 +689,9 @@ void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j, int64_t r0
 template <int T>
 void rows_of(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
     int64_t r = 0;
-    for (; r + RT <= a.n; r += RT)
+    for (; a.n - r > TMAX; r += RT)
         for (int64_t j = j0; j < j1; ++j) tile<T, RT>(w, a, j, r, y, ystride, col0 + j - j0);
-    for (int64_t j = j0; j < j1; ++j) tile_rest<T, RT - 1>(a.n - r, w, a, j, r, y, ystride, col0 + j - j0);
+    for (int64_t j = j0; j < j1; ++j) tile_rest<T, TMAX>(a.n - r, w, a, j, r, y, ystride, col0 + j - j0);
 }
 
 void output_rows(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
@@ -594,7 +716,7 @@ void output_rows(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y,
             const int64_t rows = std::min<int64_t>(RT, a.n - r0);
             float lanes[RT * 8] = {}, macc[RT] = {};
             if (is_k(w.type))
-                rows_k_portable(w, a, j, r0, rows, lanes);
+                rows_k_portable(w, a, j, r0, rows, lanes, macc);
             else
                 rows_32_portable(w, a, j, r0, rows, lanes, macc);
             for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * ystride + col] = reduce8(lanes + 8 * r) + macc[r];
