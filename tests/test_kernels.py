@@ -185,13 +185,14 @@ model = Decoder.from_dir(sys.argv[1], role="draft", quantize="int4")
 fused, plain = model.new_cache(64), model.new_cache(64)
 prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
 layered = model.with_backend(model.backend.layered())
-model.forward(prompt[:17], fused)
-layered.forward(prompt[:17], plain)
+model.forward(prompt[:17], fused)  # a prefill: consecutive chunks of the fused forward's rows
+for chunk in prompt[:17].split(draft_quant.INT4_MAX_ROWS):
+    layered.forward(chunk, plain)
 assert model.backend.fused is not None
 got = model.forward(prompt[17:], fused)
 want = layered.forward(prompt[17:], plain)
 assert (got - want).norm() <= 1e-3 * want.norm()
-solo = model.new_cache(64)  # every row through Int4Draft (a prefill's int8 rows differ by build)
+solo = model.new_cache(64)  # every row through Int4Draft
 for i in range(0, 20, 8):
     last = model.forward(prompt[i : i + 8], solo)
 torch.save(last, sys.argv[2])
