@@ -164,6 +164,15 @@ def test_k_schedule_both_adds_fixed_rows(tiny_pair, tmp_path):
     assert summary["settings"]["k_schedule"] == "both" and summary["settings"]["draft_quantize"] == "int8"
 
 
+def test_seeded_sampled_rows_are_checked_token_for_token(tiny_pair, tmp_path):
+    """A seeded sampled bench compares each method's output with plain decoding's, as a greedy one does."""
+    code, summary, rows = bench(tmp_path, *pair_args(tiny_pair), "--methods", "draft_model,ngram", "--workload",
+                                "code", "--limit", "2", "--max-tokens", "12", "--temperature", "0.9", "--seed", "5")
+    assert code == 0
+    assert all(r["identical"] is True for r in rows if r["method"] != "none")
+    assert summary["methods"]["draft_model"]["identical_to_none"] is True
+
+
 def test_compare_drafts_adds_rows_with_the_other_draft(tiny_pair, tmp_path):
     target, draft = tiny_pair
     other = make_tiny_llm(tmp_path / "other-draft", "qwen2", seed=10, noise=0.4, tie_word_embeddings=False)

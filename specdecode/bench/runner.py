@@ -237,7 +237,7 @@ def run_benchmark(
                     outputs = converse(contestant.generate, prompt, prompt_params, render)
                     if contestant.name == BASELINE and contestant.kind == "ours":
                         references[index, rep] = outputs
-                    ref = references.get((index, rep)) if params.greedy and contestant.name != BASELINE else None
+                    ref = references.get((index, rep)) if _comparable(params, contestant) and contestant.name != BASELINE else None
                     _record(result, prompt, contestant, rep, outputs, ref, on_row, bar)
                     bar.update(1)
         for item in detached:
@@ -265,7 +265,7 @@ def _run_detached(item: Detached, result: BenchResult, prompts: Sequence[Prompt]
             for rep in range(repeat):
                 bar.set_postfix_str(f"{prompt.id} {contestant.name}", refresh=False)
                 outputs = converse(contestant.generate, prompt, _seeded(params, index), render)
-                ref = references.get((index, rep)) if params.greedy else None
+                ref = references.get((index, rep)) if _comparable(params, contestant) else None
                 _record(own, prompt, contestant, rep, outputs, ref, None, bar)
                 bar.update(1)
     for row in own.rows:
@@ -312,6 +312,13 @@ def _warm_up(contestants: Sequence[Contestant], prompt: Prompt, params: Sampling
     short = replace(params, max_tokens=min(WARMUP_TOKENS, params.max_tokens))
     for contestant in contestants:
         contestant.generate(ids, short)
+
+
+def _comparable(params: SamplingParams, contestant: Contestant) -> bool:
+    """Whether ``contestant``'s output must equal plain decoding's token for token: greedy, or, for
+    our engine, seeded sampling (each sampled token wins a race keyed by the seed and its position,
+    whatever drafted it); a peer's sampler draws its own way."""
+    return params.greedy or (params.seed is not None and contestant.kind == "ours")
 
 
 def _record(result: BenchResult, prompt: Prompt, contestant: Contestant, rep: int,
