@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/specdecode demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=20
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"

@@ -360,6 +360,8 @@ BAD_REQUESTS = [
     # beyond llguidance's limits (items per parser row; expressions in a lexer): named, and before the queue
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"choice": [str(i) for i in range(5000)]}},
      400, "structured_outputs.choice", "at most 2000 options"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"choice": [str(i) for i in range(50_000)]}},
+     400, "structured_outputs.choice", "at most 262144 are compiled"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "a" * 300_000}},
      400, "structured_outputs.regex", "at most 262144 are compiled"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "a{99999999}"}},

@@ -227,14 +227,18 @@ def test_greedy_identity_with_history_of_earlier_requests(llm, plain, k):
         fresh.finish()
 
 
-def test_sampling_runs_with_deterministic_drafts(llm, output_store):
-    """probs=None drafts go through exact rejection sampling (a one-hot draft distribution)."""
-    params = SamplingParams(max_tokens=30, temperature=0.3, seed=1, ignore_eos=True)  # near greedy
+def test_sampled_copies_of_the_sampled_answer_are_all_kept(llm, tmp_path):
+    """Copies are verified under sampling by each row's race: a store holding plain sampled
+    decoding's answer (same seed) drafts it, every copy is kept, and the output is that answer."""
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True)
     prompt = llm.tokenizer.encode(_prompt(0))
-    out = llm.engine.generate(prompt, params, SuffixDrafter(datastore=output_store), spec_k(4))
-    again = llm.engine.generate(prompt, params, SuffixDrafter(datastore=output_store), spec_k(4))
-    assert len(out.token_ids) == 30 and out.stats.draft_tokens > 0
-    assert again.token_ids == out.token_ids  # same seed, same drafts: reproducible
+    plain = llm.engine.generate(prompt, params)
+    build_datastore([np.array(plain.token_ids, dtype=np.int32)], tmp_path / "store", vocab_size=llm.tokenizer.vocab_size,
+                    tokenizer_fingerprint=tokenizer_fingerprint(llm.tokenizer))
+    store = Datastore.open(tmp_path / "store", tokenizer=llm.tokenizer)
+    out = llm.engine.generate(prompt, params, SuffixDrafter(datastore=store), spec_k(4, adaptive=False))
+    assert out.token_ids == plain.token_ids
+    assert out.stats.draft_tokens > 0 and out.stats.accepted_tokens == out.stats.draft_tokens
 
 
 def test_engine_feeds_finished_requests_to_the_shared_history(llm, plain):

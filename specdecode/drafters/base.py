@@ -72,7 +72,7 @@ class DraftSource:
     limit: int | None = None  # the most drafts it can give now (a match's continuation); None: any
     catch_up: int = 0  # tokens its model must feed first (``Drafter.catch_up``)
     # sets the confidence stop of this step's drafting (``Drafter.set_confidence``); None: it has none
-    stop: Callable[[float], None] | None = None
+    stop: Callable[[float | None], None] | None = None
 
 
 def copy_source(name: str, tokens: list[int]) -> DraftSource:
@@ -154,7 +154,8 @@ class Drafter(ABC):
     needs_hidden_states: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = ()
     stops_by_confidence: ClassVar[bool] = False
-    confidence: float = 0.0
+    confidence: float = 0.0  # the stop in force (``set_confidence``)
+    _own_confidence: float | None = None  # the drafter's configured stop, once a step has set another
 
     def begin(self, seq: SequenceState) -> None:
         """A new request: index the prompt, prefill a draft model, reset state."""
@@ -177,11 +178,14 @@ class Drafter(ABC):
         stop = self.set_confidence if self.stops_by_confidence else None
         return (DraftSource(self.name, self.draft_cost_prior, self.drafting, catch_up=self.catch_up(seq), stop=stop),)
 
-    def set_confidence(self, confidence: float) -> None:
+    def set_confidence(self, confidence: float | None) -> None:
         """Stop the coming drafts once the product of their probabilities falls below
-        ``confidence`` (the last one is still proposed); the speculation policy sets it each step
-        from what a further draft costs (``stops_by_confidence`` drafters read it)."""
-        self.confidence = confidence
+        ``confidence`` (the last one is still proposed); None: the drafter's configured stop. The
+        step loop sets it before each step's drafting, from what the speculation policy priced
+        (``stops_by_confidence`` drafters read it), so no step's stop outlives its step."""
+        if self._own_confidence is None:
+            self._own_confidence = self.confidence
+        self.confidence = self._own_confidence if confidence is None else confidence
 
     def observe(self, logits: Tensor) -> None:
         """The verify forward's logits [rows, V], before ``accept`` (drafters that learn from them)."""

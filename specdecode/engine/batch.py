@@ -187,7 +187,7 @@ class Batch:
         picked: dict[Member, DraftSource] = {}
         for m, (source, _), (k, stop) in zip(members, chosen, plans):
             picked[m] = source
-            if stop is not None and source.stop is not None:
+            if source.stop is not None:  # this step's stop, or the drafter's own (a fixed K)
                 source.stop(stop)
             if k > 0:
                 works[m] = DraftWork(source.draft(m.gen.seq, k))
