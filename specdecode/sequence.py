@@ -67,12 +67,17 @@ class DraftProposal:
     @property
     def depth(self) -> int:
         """The most tokens one verify step can accept: the longest root-to-leaf path."""
+        return self.k if self.parents is None else max(self.depths, default=0)
+
+    @property
+    def depths(self) -> list[int]:
+        """Each draft's depth: 1 for a draft right after the committed tokens (a chain: 1..K)."""
         if self.parents is None:
-            return self.k
+            return list(range(1, self.k + 1))
         depths: list[int] = []
         for p in self.parents:
             depths.append(1 if p < 0 else depths[p] + 1)
-        return max(depths, default=0)
+        return depths
 
     def truncated(self, n: int) -> "DraftProposal":
         """The first ``n`` drafts (parents precede children, so a tree stays a tree)."""

@@ -268,10 +268,4 @@ def _row_keys(seq: SequenceState, proposal: DraftProposal, vocab: int) -> Tensor
     if seq.keys is None:
         return None
     base = len(seq.token_ids)
-    if proposal.is_tree:
-        depths: list[int] = []
-        for p in proposal.parents:
-            depths.append(1 if p < 0 else depths[p] + 1)
-    else:
-        depths = list(range(1, proposal.k + 1))
-    return torch.stack([seq.keys.at(base + d, vocab) for d in [0, *depths]])
+    return torch.stack([seq.keys.at(base + d, vocab) for d in [0, *proposal.depths]])

@@ -165,16 +165,17 @@ class CostModel(SpeculationPolicy):
         once the chance that its drafts so far all survive, times its acceptance (the next
         draft's expected token), no longer repays a further draft at the step's rate:
         ``product < MARGIN * rate * cost / acceptance``. Others keep their K."""
+        costs, acceptance = self._basis()
+        rows = len(requests) + sum(ks)  # the step as planned: its rows, expected tokens and seconds
+        tokens = sum(_expected(acceptance(q), j) for q, j in zip(requests, ks))
+        seconds = costs.verify(rows) + sum(costs.draft_token(q) * j for q, j in zip(requests, ks))
+        row_cost = costs.verify(rows + 1) - costs.verify(rows)
         plans: list[tuple[int, float | None]] = []
         for r, k in zip(requests, ks):
             if not (r.confident and r.adaptive and k):
                 plans.append((k, None))
                 continue
-            costs, acceptance = self._basis()
-            rows = len(requests) + sum(ks)
-            tokens = sum(_expected(acceptance(q), j) for q, j in zip(requests, ks))
-            seconds = costs.verify(rows) + sum(costs.draft_token(q) * j for q, j in zip(requests, ks))
-            cost = costs.draft_token(r) + costs.verify(rows + 1) - costs.verify(rows)
+            cost = costs.draft_token(r) + row_cost
             threshold = MARGIN * tokens / seconds * cost / max(acceptance(r), 1e-3) if seconds > 0 else 0.0
             confident = dataclasses.replace(r, state=RequestSpeculation(acceptance=max(acceptance(r), CONFIDENT_ACCEPTANCE)))
             [reach] = _allocate([confident], costs, lambda q: q.state.acceptance)

@@ -56,11 +56,11 @@ class RaceKeys:
             del self._keys[old]
 
 
+def race_scores(probs: Tensor, keys: Tensor) -> Tensor:
+    """probs [N, V] (or [V]), keys of the same shape -> the scores whose argmax is each row's winner."""
+    return probs.float() / keys
+
+
 def race(probs: Tensor, keys: Tensor) -> Tensor:
     """probs [N, V] (or [V]), keys of the same shape -> each row's winner, int64 [N] (or [])."""
-    return (probs.float() / keys).argmax(-1)
-
-
-def race_scores(probs: Tensor, keys: Tensor) -> Tensor:
-    """probs [N, V], keys [N, V] -> the scores whose argmax is each row's winner."""
-    return probs.float() / keys
+    return race_scores(probs, keys).argmax(-1)

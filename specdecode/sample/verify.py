@@ -29,18 +29,14 @@ def verify(proposal: DraftProposal, logits: Tensor, params: SamplingParams,
     logits [K + 1, V], and one more token. Greedy: the argmax rule. Sampled: with ``keys``
     [K + 1, V] (row i's race keys, of the position row i decides), the race rule; without, the
     exact rejection rule drawing from ``generator``."""
-    if params.greedy:
-        if proposal.is_tree:
-            return verify_tree_greedy(proposal.tokens, proposal.parents, logits)
-        return verify_greedy(proposal.tokens, logits)
-    probs = logits_to_probs(logits, params)
-    if keys is not None:
-        scores = race_scores(probs, keys)
+    if params.greedy or keys is not None:
+        scores = logits if params.greedy else race_scores(logits_to_probs(logits, params), keys)
         if proposal.is_tree:
             return verify_tree_greedy(proposal.tokens, proposal.parents, scores)
         return verify_greedy(proposal.tokens, scores)
     if generator is None:
         raise ValueError("a sampled verify needs race keys or a generator")
+    probs = logits_to_probs(logits, params)
     if proposal.is_tree:
         return verify_tree_rejection(proposal.tokens, proposal.parents, probs, generator)
     return verify_rejection(proposal.tokens, proposal.probs, probs, generator)
