@@ -62,6 +62,11 @@ class NonFiniteLogitsError(SpecDecodeError):
     emitting a token from them would pass garbage off as a normal answer."""
 
 
+class DamagedCacheError(SpecDecodeError):
+    """A derived weight file the process maps no longer matches the checksum recorded when it was
+    written: decoding would give wrong output, so requests are refused while it is rebuilt."""
+
+
 class HeadMismatchError(SpecDecodeError):
     """A trained drafter (an EAGLE or Medusa head) made for another target model: its sizes or
     the target fingerprint it recorded differ from the loaded target's."""

@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode import LLM
+# Tests that damage caches on purpose must not race a background hash of them (test_cache_watch.py
+# runs its own watches); set before specdecode makes the process's watch.
+os.environ["SPECDECODE_CACHE_WATCH"] = "0"
+
+from specdecode import LLM  # noqa: E402
 from specdecode.config import SpecConfig
 from tests.methods import tiny_heads
 

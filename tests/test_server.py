@@ -10,6 +10,7 @@ import http.client
 import json
 import socket
 import threading
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -20,6 +21,7 @@ from server_support import LiveServer, SlowJobs, assert_openai_error, metric, re
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import PromptTooLongError
+from specdecode.models.watch import WATCH
 from specdecode.sample.grammar import GrammarCompiler
 from specdecode.server.app import create_app
 from specdecode.server.scheduler import JobQueue, Scheduler
@@ -69,6 +71,18 @@ def test_models_and_health(live, client):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
     assert live.request("GET", "/health")[0] == 200
+
+
+def test_damaged_weights_being_rebuilt_answer_503_and_health_says_so(live, monkeypatch):
+    why = "the cached weights x.safetensors were damaged (...); they are being rebuilt from the model's source"
+    monkeypatch.setitem(WATCH._damaged, Path("x.safetensors"), why)
+    status, body = live.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert status == 503 and body["error"]["code"] == "model_damaged" and "being rebuilt" in body["error"]["message"]
+    status, _, text = live.request("GET", "/health")
+    assert status == 503 and json.loads(text)["status"] == "repairing"
+    monkeypatch.delitem(WATCH._damaged, Path("x.safetensors"))
+    assert live.request("GET", "/health")[0] == 200
+    assert live.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})[0] == 200
 
 
 def test_completion_equals_offline_greedy(client, offline):

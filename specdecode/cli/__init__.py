@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.watch import WATCH
 
 
 def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]]:
@@ -90,7 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_to_stderr()
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        if damaged := WATCH.verify_now():  # weights found damaged after loading may have made the output
+            print(f"specdecode: error: the cached weights {', '.join(p.name for p in damaged)} were damaged "
+                  "while this command ran, so its output may be wrong; they were rebuilt: run it again",
+                  file=sys.stderr)
+            return 1
+        return code
     except SpecDecodeError as exc:
         print(f"specdecode: error: {exc}", file=sys.stderr)
         if getattr(args, "json", False):  # --json promises one JSON object on stdout, errors included

@@ -28,7 +28,9 @@ from specdecode.engine.drafting import DraftWork, draft_all
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.engine.policy import DraftRequest, SpeculationPolicy
 from specdecode.drafters.base import DraftSource
+from specdecode.errors import DamagedCacheError
 from specdecode.models.decoder import Decoder
+from specdecode.models.watch import WATCH
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal
 
 HORIZON = 256  # most tokens a request is counted on to make: max_tokens bounds it, EOS often comes sooner
@@ -85,6 +87,12 @@ class Batch:
         out = StepOutcome()
         for m in [m for m in self.members if m.cancelled()]:
             self._leave(m, out)
+        try:
+            WATCH.check()  # a mapped weight file found damaged: no forward may run on it
+        except DamagedCacheError as exc:
+            for m in list(self.members):
+                self._leave(m, out, exc)
+            return out
         prefilling = [m for m in self.members if m.prefilling]
         if prefilling:
             self._prefill_chunk(prefilling[0], out)

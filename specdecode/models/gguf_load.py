@@ -25,6 +25,7 @@ from specdecode.files import partial_path, remove_stale_partials, specdecode_hom
 from specdecode.models import checks, gguf_convert, gguf_planes
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_planes import GGUFLinear, GGUFWeight
+from specdecode.models.watch import WATCH
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,14 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
                 refused.write_text(str(exc))
             raise
     try:
-        return _read(cached)
+        weights = _read(cached)
     except Exception as exc:  # noqa: BLE001 - truncated or garbage planes: derived, so repack
         log.warning(f"specdecode: the repacked cache {cached.name} is damaged ({str(exc)[:80]}); repacking")
         checks.remove_with_sidecar(cached)
         _build(sources, cached, progress)
-        return _read(cached)
+        weights = _read(cached)
+    WATCH.watch(cached, lambda dest: _build(sources, dest, progress=False))  # same-size damage: hashed later
+    return weights
 
 
 def _build(sources: list[Path], cached: Path, progress: bool) -> None:

@@ -25,6 +25,7 @@ from specdecode.errors import UnsupportedModelError, WeightsMissingError
 from specdecode.files import atomic_path, remove_stale_partials, specdecode_home
 from specdecode.models import checks
 from specdecode.models.config import ModelConfig
+from specdecode.models.watch import WATCH
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,20 @@ PACK_VERSION = 2
 
 
 def load_packed(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Packed weights for the checkpoint in ``path``: from the cache, or packed now and cached."""
+    """Packed weights for the checkpoint in ``path``: from the cache, or packed now and cached
+    (memory-mapped, and hashed in the background by ``watch``)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise WeightsMissingError(f"no *.safetensors files in {path}")
     cached = _cache_file(files, dtype)
+    weights = _cached_or_packed(files, cached, path, config, dtype)
+    if cached.is_file():
+        WATCH.watch(cached, lambda dest: _write_atomic(dest, pack(_read_all(files), config, dtype)))
+    return weights
+
+
+def _cached_or_packed(files: list[Path], cached: Path, path: Path, config: ModelConfig,
+                      dtype: torch.dtype) -> dict[str, Tensor]:
     crashed = bool(remove_stale_partials(cached.parent))  # a 7 GB .partial of a killed run, say
     if cached.exists():
         try:

@@ -26,7 +26,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdecode.api import LLM
-from specdecode.errors import InvalidConstraintError, SpecDecodeError
+from specdecode.errors import DamagedCacheError, InvalidConstraintError, SpecDecodeError
+from specdecode.models.watch import WATCH
 from specdecode.server.connections import DEFAULT_BODY_TIMEOUT_S
 from specdecode.server.http_errors import APIError, bad_request, from_spec_error, from_validation_error
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -148,6 +149,10 @@ def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
     async def health() -> Response:
         if not scheduler.alive:  # closed, or its worker thread died
             return JSONResponse({"status": "unavailable"}, status_code=503)
+        try:
+            WATCH.check()
+        except DamagedCacheError as exc:  # weights being rebuilt: a balancer should route elsewhere
+            return JSONResponse({"status": "repairing", "message": str(exc)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

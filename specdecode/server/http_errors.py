@@ -14,9 +14,11 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from specdecode.errors import NonFiniteLogitsError, PromptTooLongError, ServerBusyError, SpecDecodeError
+from specdecode.errors import (DamagedCacheError, NonFiniteLogitsError, PromptTooLongError, ServerBusyError,
+                               SpecDecodeError)
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait; a step of the engine is well under this
+REPAIR_RETRY_S = 30  # what a 503 for damaged weights asks: a repack from the GGUF takes seconds
 
 
 class APIError(Exception):
@@ -49,6 +51,9 @@ def from_spec_error(exc: SpecDecodeError) -> APIError:
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, NonFiniteLogitsError):  # the model's fault, not the request's
         return APIError(500, str(exc), type="server_error", code="model_damaged")
+    if isinstance(exc, DamagedCacheError):  # being repaired: the same request will succeed later
+        return APIError(503, str(exc), type="server_error", code="model_damaged",
+                        headers={"Retry-After": str(REPAIR_RETRY_S)})
     return bad_request(str(exc))  # bad sampling values, a model without a chat template, ...
 
 
