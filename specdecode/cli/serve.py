@@ -17,8 +17,8 @@ from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.errors import InvalidConfigError
 from specdecode.server.k_by_load import parse_k_by_load
 from specdecode.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
-                                           DEFAULT_MAX_CONNECTIONS, connection_cap, guarded_protocol,
-                                           quiet_accept_errors)
+                                           DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_CLIENT, connection_cap,
+                                           guarded_protocol, quiet_accept_errors)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -74,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="open connections at most; more are answered 503 at once and closed, so stalled "
                         "clients cannot exhaust file descriptors (default: %(default)s)")
+    p.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_PER_CLIENT, metavar="N",
+                   help="open connections one client address may hold; more are answered 503 at once, so "
+                        "one client cannot hold the others out (0: no limit; behind a reverse proxy, which "
+                        "is one address, raise it or use 0) (default: %(default)s). A few connections "
+                        "beyond --max-connections stay open to /health only")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C: stop accepting, give running requests this long to finish, "
                         "then end the rest with HTTP 503 generation_aborted (an error event in streams); "
@@ -118,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
     if lowered:
         print(f"specdecode: warning: {lowered}", file=sys.stderr)
     quiet_accept_errors()
+    protocol = guarded_protocol(args.header_timeout, max_connections, args.max_connections_per_client)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5,
-                            http=guarded_protocol(args.header_timeout, max_connections), timeout_keep_alive=5)
+                            http=protocol, timeout_keep_alive=5)
     server = uvicorn.Server(config)
     threading.Thread(target=_end_requests_after_grace, args=(server, scheduler, args.shutdown_timeout),
                      name="specdecode-shutdown", daemon=True).start()
@@ -169,6 +175,8 @@ def _check(args: argparse.Namespace) -> None:
     parse_k_by_load(args.k_by_load)  # a bad table fails before any model loads
     if args.max_connections < 8:
         raise InvalidConfigError(f"--max-connections must be >= 8, got {args.max_connections}")
+    if args.max_connections_per_client < 0:
+        raise InvalidConfigError(f"--max-connections-per-client must be >= 0, got {args.max_connections_per_client}")
     if not 0 <= args.shutdown_timeout <= 3600:
         raise InvalidConfigError(f"--shutdown-timeout must be in [0, 3600] seconds, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:

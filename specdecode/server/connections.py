@@ -6,7 +6,10 @@ good, before the API key is even looked at, and enough of them exhaust the proce
 so that every request, ``/health`` included, hangs. This subclass of its h11 protocol closes a
 connection whose request headers have not all arrived ``header_timeout`` seconds after it opened
 (or after its first byte, for a later request on a kept-alive connection), and answers a
-connection beyond ``max_connections`` with a JSON 503 at once. Idle kept-alive connections are
+connection beyond ``max_connections`` with a JSON 503 at once. One client address may hold at
+most ``per_client`` of them, so a single client (or a loop reopening idle sockets) cannot hold
+every other one out; and ``HEALTH_RESERVE`` connections beyond the cap serve ``/health`` only, so
+a probe still learns that the server is alive when the cap is full. Idle kept-alive connections are
 closed by uvicorn's ``timeout_keep_alive``; a body that stalls is the app's to time out
 (``app._read_json``). Each cause is logged once a minute with a count, not once per event.
 
@@ -38,13 +41,15 @@ log = logging.getLogger("specdecode.server")
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0  # for 1 MiB at dial-up speed; a stalled upload ends with 408
 DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_MAX_PER_CLIENT = 64  # one address's share of the cap; a proxy in front is one address: raise it there
+HEALTH_RESERVE = 4  # connections beyond the cap that may ask for /health only
 _LOG_EVERY_S = 60.0
 _PROBE_EVERY_S = 1.0  # after a half-close: how soon a client that left is noticed (about twice this)
 
 
-def _busy_response() -> bytes:
-    body = json.dumps({"error": {"message": "the server has too many open connections; retry shortly",
-                                 "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
+def _busy_response(message: str = "the server has too many open connections; retry shortly") -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                 "code": "too_many_connections"}}).encode()
     head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
             f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n")
     return head.encode() + body
@@ -114,13 +119,17 @@ def quiet_accept_errors() -> None:
 
 
 def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
-                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type:
-    """uvicorn's h11 protocol with these limits, as a class to pass as ``uvicorn.Config(http=...)``."""
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                     per_client: int = DEFAULT_MAX_PER_CLIENT) -> type:
+    """uvicorn's h11 protocol with these limits, as a class to pass as ``uvicorn.Config(http=...)``;
+    ``per_client`` 0: no limit per address."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     stalled = _CauseLog("closed %d connection(s) that sent no complete request headers within "
                         f"{header_timeout:g} s (--header-timeout)")
     refused = _CauseLog(f"refused %d connection(s) beyond --max-connections {max_connections}")
+    crowded = _CauseLog(f"refused %d connection(s) from addresses holding --max-connections-per-client {per_client}")
+    held: dict[str, int] = {}  # open connections per client address
 
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -132,13 +141,29 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._refusal: str | None = None
-            self._refuse_ambiguous_framing()
-            if len(self.connections) > max_connections:
+            self._address: str | None = None
+            open_now = len(self.connections)
+            self._health_only = open_now > max_connections
+            self._screen_requests()
+            peer = transport.get_extra_info("peername")
+            address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            if open_now > max_connections + HEALTH_RESERVE:
                 refused.event()
-                transport.write(_busy_response())
-                transport.close()
+                self._refuse(transport, _busy_response())
                 return
+            if per_client and held.get(address, 0) >= per_client:
+                crowded.event()
+                self._refuse(transport, _busy_response(
+                    f"this client holds {per_client} open connections, the most one address may; close idle "
+                    "ones or reuse them (keep-alive)"))
+                return
+            self._address = address
+            held[address] = held.get(address, 0) + 1
             self._arm()
+
+        def _refuse(self, transport: Any, response: bytes) -> None:
+            transport.write(response)
+            transport.close()
 
         def data_received(self, data: bytes) -> None:
             if not self._in_request():
@@ -150,6 +175,11 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             self._stop_probing()
+            if self._address is not None:
+                held[self._address] -= 1
+                if not held[self._address]:
+                    del held[self._address]
+                self._address = None
             super().connection_lost(exc)
 
         def eof_received(self) -> bool | None:  # type: ignore[override]
@@ -178,9 +208,11 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
                 pass
             self.transport.close()
 
-        def _refuse_ambiguous_framing(self) -> None:
-            """A request with both Transfer-Encoding and Content-Length is refused (400): a proxy in
-            front may frame it by the other header, the ground of request smuggling."""
+        def _screen_requests(self) -> None:
+            """Each request as h11 parses it, before the app sees it: one with both Transfer-Encoding
+            and Content-Length is refused (400: a proxy in front may frame it by the other header,
+            the ground of request smuggling); on a connection beyond the cap, anything but
+            ``/health`` is answered 503 and the connection closed."""
             import h11
 
             next_event = self.conn.next_event
@@ -193,6 +225,10 @@ def guarded_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
                         self._refusal = ("a request may not carry both Transfer-Encoding and Content-Length "
                                          "(ambiguous framing)")
                         raise h11.RemoteProtocolError(self._refusal, 400)
+                    if self._health_only and event.target.partition(b"?")[0] != b"/health":
+                        refused.event()
+                        self._refuse(self.transport, _busy_response())
+                        return h11.NEED_DATA  # the connection is closing: nothing more to handle
                 return event
 
             self.conn.next_event = checked
