@@ -159,3 +159,29 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True  # someone else's live process (or not a PID): leave it alone
     return True
+
+
+def read_user_text(path: Path, what: str, max_bytes: int) -> str:
+    """The UTF-8 text of a file a user named (``what``: the option, e.g. "--prompt-file"), or an
+    ``InvalidConfigError`` saying what is wrong with it. At most ``max_bytes`` are read, so
+    ``/dev/zero`` or a huge file is refused instead of filling the memory; NUL bytes mark a binary
+    file, which no prompt or question list is."""
+    from specdecode.errors import InvalidConfigError
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise InvalidConfigError(f"{what} {path}: no such file") from None
+    except OSError as exc:
+        raise InvalidConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if len(data) > max_bytes:
+        raise InvalidConfigError(f"{what} {path} is larger than {max_bytes >> 20} MiB, more than it can usefully hold")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidConfigError(f"{what} {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x})") from None
+    if "\x00" in text:
+        raise InvalidConfigError(f"{what} {path} holds NUL bytes: it looks like a binary file, not text")
+    return text

@@ -424,7 +424,8 @@ def test_bench_endpoint_cli(sse_server, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--workload", "nope"], "unknown workload 'nope'"),
-    (["--dataset", "/nonexistent/question.jsonl"], "--dataset file not found"),
+    (["--dataset", "/nonexistent/question.jsonl"], "--dataset /nonexistent/question.jsonl: no such file"),
+    (["--dataset", "/dev/zero"], "larger than 256 MiB"),  # refused, not read into memory
     (["--workload", "code", "--sweep-k", "1,x"], "--sweep-k"),
     (["--workload", "code", "--methods", "none,bogus"], "unknown method 'bogus'"),
     (["--workload", "code", "--repeat", "0"], "--repeat"),

@@ -218,6 +218,19 @@ def test_cli_empty_data_is_a_clear_error(target, tmp_path, capsys):
     assert "no usable text" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("data, message", [("/dev/zero", "not a regular file or folder"),
+                                           ("NUL", "NUL bytes"), ("BINARY", "not UTF-8 text")])
+def test_cli_data_that_is_not_text_is_a_clear_error(target, tmp_path, capsys, data, message):
+    files = {"NUL": b"abc\x00def\n", "BINARY": b"\x89PNG\r\n\x1a\n\xff\xfe"}
+    if data in files:
+        (tmp_path / data).write_bytes(files[data])
+        data = str(tmp_path / data)
+    assert main(["train", "eagle3", "--model", str(target), "--data", data, "--out", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_jsonl_prompts_are_answered_by_the_target(llm, tmp_path):
     from specdecode.train.data import DataConfig, load_sequences
 

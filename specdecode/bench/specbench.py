@@ -15,19 +15,16 @@ from typing import Any
 
 from specdecode.bench.workloads import Prompt
 from specdecode.errors import InvalidConfigError
+from specdecode.files import read_user_text
 
 DEFAULT_CATEGORY = "uncategorized"
+MAX_DATASET_BYTES = 256 << 20  # Spec-Bench's question.jsonl is 0.5 MB; stops /dev/zero
 
 
 def load_specbench(path: Path | str) -> list[Prompt]:
     """Every question of ``path`` as a ``Prompt``; a malformed line is a user error naming it."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InvalidConfigError(f"--dataset file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidConfigError(f"cannot read --dataset {path}: {exc}") from None
+    text = read_user_text(path, "--dataset", MAX_DATASET_BYTES)
     prompts = []
     seen: set[str] = set()
     for number, line in enumerate(text.splitlines(), start=1):

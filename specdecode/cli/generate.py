@@ -12,6 +12,7 @@ from specdecode.cli.options import (add_draft_options, add_method_flag, add_meth
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.params import MAX_LOGPROBS, Constraint, SamplingParams
 from specdecode.errors import InvalidConfigError
+from specdecode.files import read_user_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,23 +119,7 @@ MAX_PROMPT_FILE_BYTES = 16 << 20  # far above any prompt that fits a context; st
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
-    path = args.prompt_file
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
-    except OSError as exc:
-        raise InvalidConfigError(f"cannot read --prompt-file {path}: {exc.strerror}") from None
-    if len(data) > MAX_PROMPT_FILE_BYTES:
-        raise InvalidConfigError(f"--prompt-file {path} is larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB; no "
-                                 "prompt that large fits a model's context")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidConfigError(f"--prompt-file {path} is not UTF-8 text (byte {exc.start} is "
-                                 f"0x{data[exc.start]:02x})") from None
-    if "\x00" in text:
-        raise InvalidConfigError(f"--prompt-file {path} holds NUL bytes: it looks like a binary file, not a prompt")
-    return text
+    return read_user_text(args.prompt_file, "--prompt-file", MAX_PROMPT_FILE_BYTES)
 
 
 def _report(out, base, tokenizer) -> dict:

@@ -115,7 +115,7 @@ def find_files(paths: list[Path], exts: frozenset[str] | None, exclude: Path | N
         elif path.is_dir():
             files.extend(f for f in _walk(path, exclude) if exts is None or f.suffix.lower() in exts)
         else:
-            raise DatastoreError(f"no such file or folder: {path}")
+            raise DatastoreError(f"{'not a regular file or folder' if path.exists() else 'no such file or folder'}: {path}")
     unique = list(dict.fromkeys(files))  # a file named twice is indexed once
     if not unique:
         raise DatastoreError(f"no files found in {', '.join(map(str, paths))}"

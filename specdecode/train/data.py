@@ -24,12 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.errors import InvalidConfigError
+from specdecode.files import read_user_text
 from specdecode.tokenizer import Tokenizer
 from specdecode.train.capture import TrainingSequence
 
 TEXT_SUFFIXES = frozenset(".py .pyi .md .rst .txt .c .h .cc .cpp .hpp .rs .go .java .js .ts .tsx .jsx .sh .toml "
                           ".yaml .yml .json .html .css .sql .rb .kt .swift .scala .lua .r .jl .cfg .ini".split())
 MAX_FILE_BYTES = 512 * 1024
+MAX_PROMPTS_FILE_BYTES = 256 << 20  # a named prompts file (JSONL or lines); stops /dev/zero
 SKIP_DIRS = frozenset({".git", "__pycache__", "node_modules", ".venv", "venv", "build", "dist", ".tox"})
 
 # Generates a response for a prompt's token ids (the target answering it).
@@ -62,7 +64,8 @@ def load_sequences(sources: Sequence[str | Path], tokenizer: Tokenizer, cfg: Dat
         elif path.is_file():
             found.extend(_prompt_sequences(path, tokenizer, respond, cfg.max_sequences))
         else:
-            raise InvalidConfigError(f"--data {source}: no such file or folder")
+            kind = "not a regular file or folder" if path.exists() else "no such file or folder"
+            raise InvalidConfigError(f"--data {source}: {kind}")
     if not found:
         raise InvalidConfigError("the --data sources hold no usable text: give folders of text or code, or JSONL "
                                  "prompts (with responses, or let the target answer them)")
@@ -108,10 +111,8 @@ def _file_pieces(path: Path, root: Path, tokenizer: Tokenizer, piece_tokens: int
 
 def _prompt_sequences(path: Path, tokenizer: Tokenizer, respond: Respond | None,
                       limit: int | None) -> list[TrainingSequence]:
-    try:
-        lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidConfigError(f"--data {path}: cannot read it as UTF-8 text ({exc})") from None
+    text = read_user_text(path, "--data", MAX_PROMPTS_FILE_BYTES)
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     out = []
     for number, line in lines:
         if limit and len(out) >= limit:
