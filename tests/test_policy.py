@@ -163,6 +163,28 @@ def test_a_long_copy_is_picked_over_the_draft_model_and_a_failing_copy_is_not():
     assert policy.pick_sources([[model, copy]]) == [1]
 
 
+def test_before_anything_is_measured_a_copy_is_weighed_at_its_match_lengths_prior():
+    """A fresh process: a copy after a two-token match (prior 0.5) loses to the draft model at
+    the general prior, one after a long match (0.9) wins; the first verified drafts move each
+    from its own prior."""
+    from specdecode.drafters.suffix import COPY_ACCEPTANCE
+
+    costs = _costs(row_s=0.008, draft_s=0.009)
+    for bucket in ("match1", "match16"):
+        costs.draft_token_steps[f"suffix/{bucket}"] = 0.0
+    policy = CostModel(costs)
+
+    def fresh(bucket: str) -> DraftRequest:
+        return _request(None, method=f"suffix/{bucket}", acceptance_prior=COPY_ACCEPTANCE[bucket])
+
+    model = _request(None)
+    assert policy.pick_sources([[fresh("match1"), model]]) == [1]
+    assert policy.pick_sources([[fresh("match16"), model]]) == [0]
+    short = fresh("match1")
+    policy.record(StepTimes(rows=3, verify_s=STEP, requests=[RequestOutcome("suffix/match1", short.state, 2, 2)]))
+    assert COPY_ACCEPTANCE["match1"] < short.state.acceptance < 0.8  # from 0.5 toward 1.0, not from 0.8
+
+
 def test_a_request_with_one_source_and_fixed_k_take_the_first():
     policy, fixed = CostModel(_costs(row_s=0.008)), FixedK()
     assert policy.pick_sources([[_request(0.5)]]) == [0]

@@ -73,16 +73,18 @@ class DraftSource:
     catch_up: int = 0  # tokens its model must feed first (``Drafter.catch_up``)
     # sets the confidence stop of this step's drafting (``Drafter.set_confidence``); None: it has none
     stop: Callable[[float | None], None] | None = None
+    # the acceptance it starts from before any of its drafts were verified; None: the policy's
+    acceptance_prior: float | None = None
 
 
-def copy_source(name: str, tokens: list[int]) -> DraftSource:
+def copy_source(name: str, tokens: list[int], acceptance_prior: float | None = None) -> DraftSource:
     """A free source proposing the first k of ``tokens`` (a match's continuation)."""
 
     def draft(seq: SequenceState, k: int) -> Drafting:
         return DraftProposal(torch.tensor(tokens[:k], dtype=torch.long), None)
         yield  # a generator function: the proposal is its return value
 
-    return DraftSource(name, 0.0, draft, limit=len(tokens))
+    return DraftSource(name, 0.0, draft, limit=len(tokens), acceptance_prior=acceptance_prior)
 
 
 def run_alone(drafting: Drafting) -> DraftProposal:

@@ -37,6 +37,11 @@ __all__ = ["SuffixDrafter", "SuffixHistory"]
 
 _LONG_LEVEL = 8  # the own-context table's second n-gram level (see NgramTable)
 MATCH_BUCKETS = (1, 4, 8, 16)  # lower bounds of the match lengths a copy's acceptance is learned by
+# What a copy after a match of each bucket's length is accepted at, before a process has measured
+# it: the pooled rate over the built-in workloads (`python scripts/source_acceptance.py`, combined,
+# 3 prompts a workload, 128 tokens; 2026-11-26): a two-token match is a coin toss, a long one
+# almost sure. A single prior for all would try short copies where the draft model does better.
+COPY_ACCEPTANCE = {"match1": 0.5, "match4": 0.7, "match8": 0.85, "match16": 0.9}
 
 
 def match_bucket(length: int) -> str:
@@ -93,7 +98,8 @@ class SuffixDrafter(Drafter):
         draft, length = self.lookup(seq, MAX_SPECULATIVE_TOKENS)
         if not draft:
             return ()
-        return (copy_source(f"{self.name}/{match_bucket(length)}", draft),)
+        bucket = match_bucket(length)
+        return (copy_source(f"{self.name}/{bucket}", draft, COPY_ACCEPTANCE[bucket]),)
 
     def lookup(self, seq: SequenceState, k: int) -> tuple[list[int], int]:
         """Up to ``k`` draft tokens continuing ``seq`` and the length of the match they follow

@@ -214,4 +214,5 @@ def _draft_request(gen: Generation, source: DraftSource) -> DraftRequest:
     k_max = gen.k_max if source.limit is None else min(gen.k_max, source.limit)
     return DraftRequest(source.name, k_max, gen.draft_room(), gen.adaptive, source.catch_up,
                         min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation_for(source.name),
-                        source.cost_prior, confident=source.stop is not None)
+                        source.cost_prior, confident=source.stop is not None,
+                        acceptance_prior=source.acceptance_prior)

@@ -50,8 +50,9 @@ MARGIN = 1.05
 # How sure a confident drafter's run may be taken to be when sizing the most it may draft: its
 # own probabilities then stop it where it grows unsure (``CostModel.confidence_stops``).
 CONFIDENT_ACCEPTANCE = 0.95
-# Acceptance a method starts from before any of its drafts were verified: optimistic, so a new
-# method drafts and gets measured; its requests' measured rates replace it within a few steps.
+# Acceptance a method starts from before any of its drafts were verified, unless its source
+# brings its own (``DraftSource.acceptance_prior``): optimistic, so a new method drafts and gets
+# measured; its requests' measured rates replace it within a few steps.
 PRIOR_ACCEPTANCE = 0.8
 # Weight of one decided draft in its request's acceptance, which starts from its method's: one
 # refused first draft moves 0.85 to 0.72, so it takes a run of refusals, not one unlucky step,
@@ -79,6 +80,7 @@ class DraftRequest:
     state: RequestSpeculation = field(default_factory=RequestSpeculation)
     draft_cost_prior: float = 0.0  # a drafted token's cost as a share of a step, until measured
     confident: bool = False  # its drafter stops by its own confidence, at a threshold the policy sets
+    acceptance_prior: float | None = None  # its method's acceptance until measured (None: PRIOR_ACCEPTANCE)
 
     @property
     def limit(self) -> int:
@@ -134,10 +136,17 @@ class CostModel(SpeculationPolicy):
     def __init__(self, costs: StepCosts | None = None) -> None:
         self.costs = costs or StepCosts()
         self.method_acceptance: dict[str, float] = {}
+        self.method_prior: dict[str, float] = {}  # the priors methods' requests brought, until measured
 
     def acceptance(self, r: DraftRequest) -> float:
-        """The request's measured acceptance, else its method's over earlier requests."""
-        return _clamp(r.state.acceptance, self.method_acceptance.get(r.method, PRIOR_ACCEPTANCE))
+        """The request's measured acceptance, else its method's over earlier requests, else the
+        method's prior."""
+        if r.acceptance_prior is not None:
+            self.method_prior.setdefault(r.method, r.acceptance_prior)
+        return _clamp(r.state.acceptance, self._method(r.method))
+
+    def _method(self, method: str) -> float:
+        return self.method_acceptance.get(method, self.method_prior.get(method, PRIOR_ACCEPTANCE))
 
     def choose(self, requests: Sequence[DraftRequest]) -> list[int]:
         if not self.costs.verify_measured:  # nothing measured yet: draft a little and measure
@@ -226,7 +235,7 @@ class CostModel(SpeculationPolicy):
             state = outcome.state
             start = state.acceptance
             if start is None:  # where ``acceptance`` had it before: its method's
-                start = self.method_acceptance.get(outcome.method, PRIOR_ACCEPTANCE)
+                start = self._method(outcome.method)
             weight = 1 - (1 - DRAFT_EMA) ** outcome.decided
             state.acceptance = start + weight * (rate - start)
             old = self.method_acceptance.get(outcome.method)
