@@ -64,6 +64,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the chosen token's logprob and the n most likely
     constraint: Constraint | None = None  # structured output: the grammar the output must match
+    # what the output is expected to be close to (OpenAI's predicted outputs, e.g. the file being
+    # edited), as text or token ids: drafted from for free; the output stays the target's
+    prediction: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string is a common call shape
@@ -85,6 +88,12 @@ class SamplingParams:
                                              f"generator takes), got {str(self.seed)[:40]}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidSamplingParamsError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            ids = self.prediction
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise InvalidSamplingParamsError("prediction must be text or a list of token ids, got "
+                                                 f"{type(ids).__name__}")
+            object.__setattr__(self, "prediction", tuple(ids))
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InvalidSamplingParamsError("constraint must be a specdecode.Constraint")
         if self.constraint is not None and self.ignore_eos:

@@ -183,8 +183,7 @@ class Batch:
         chose: the proposals, each drafting request's work (its times and catch-ups) and the
         source the policy picked for each request that had one."""
         drafting = [m for m in decoding if m.gen.drafts]
-        options = [[(source, _draft_request(m.gen, source)) for source in m.gen.drafter.sources(m.gen.seq)]
-                   for m in drafting]
+        options = [[(source, _draft_request(m.gen, source)) for source in m.gen.sources()] for m in drafting]
         members = [m for m, opts in zip(drafting, options) if opts]  # a drafter may have nothing to offer
         options = [opts for opts in options if opts]
         picks = self.policy.pick_sources([[r for _, r in opts] for opts in options]) if options else []
@@ -195,6 +194,7 @@ class Batch:
         picked: dict[Member, DraftSource] = {}
         for m, (source, _), (k, stop) in zip(members, chosen, plans):
             picked[m] = source
+            m.gen.draft_from(source)
             if source.stop is not None:  # this step's stop, or the drafter's own (a fixed K)
                 source.stop(stop)
             if k > 0:

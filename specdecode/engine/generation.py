@@ -22,7 +22,8 @@ from specdecode.models.cache import KVCache
 from specdecode.config import SpecConfig
 from specdecode.params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.engine.costs import RequestSpeculation
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, DraftSource
+from specdecode.drafters.prediction import SOURCE as PREDICTION, Prediction
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.errors import NonFiniteLogitsError
 from specdecode.models.decoder import HiddenCapture
@@ -94,6 +95,11 @@ class Generation:
         # What every target forward of this request captures for the drafter (None: nothing).
         self.capture = (HiddenCapture(drafter.hidden_layers)
                         if drafter is not None and drafter.needs_hidden_states else None)
+        # The client's predicted output: a free draft source offered before the drafter's.
+        predicted = params.prediction
+        self.prediction = (Prediction(tokenizer.encode(predicted) if isinstance(predicted, str) else list(predicted))
+                           if predicted else None)
+        self.foreign_step = False  # this step's drafts came from the prediction, not the drafter
         cache.reset()
 
     @property
@@ -141,9 +147,21 @@ class Generation:
 
     @property
     def drafts(self) -> bool:
-        """Whether this request's drafter may draft this step: it has one, there is room for a
-        draft, and the grammar forces none (forced drafts need no drafter)."""
-        return self.drafter is not None and self.draft_room() > 0 and not self.forced_drafts().k
+        """Whether this request may draft this step: it has a drafter or a prediction, there is
+        room for a draft, and the grammar forces none (forced drafts need no drafter)."""
+        return ((self.drafter is not None or self.prediction is not None) and self.draft_room() > 0
+                and not self.forced_drafts().k)
+
+    def sources(self) -> tuple[DraftSource, ...]:
+        """What this request can draft from this step: its prediction where the output has a
+        place in it, then its drafter's sources."""
+        own = self.drafter.sources(self.seq) if self.drafter is not None else ()
+        predicted = self.prediction.source(self.seq) if self.prediction is not None else None
+        return own if predicted is None else (predicted, *own)
+
+    def draft_from(self, source: DraftSource) -> None:
+        """Note which source drafts this step: the drafter is told of drafts it did not make."""
+        self.foreign_step = source.name == PREDICTION
 
     def draft_room(self) -> int:
         """The most drafts this step can carry: drafts plus the one token every step adds must fit
@@ -210,6 +228,9 @@ class Generation:
         self.accepted = result.num_accepted
         if proposal.k and not self.forced_step:  # the drafter's acceptance, not the grammar's
             stats.record_draft(proposal.k, result.num_accepted, proposal.depth)
+            if self.foreign_step:
+                stats.prediction_accepted += result.num_accepted
+                stats.prediction_rejected += proposal.k - result.num_accepted
         elif not proposal.k:
             stats.plain_steps += 1
         new = self.stops.push(seq, result.tokens)
@@ -218,14 +239,16 @@ class Generation:
         kept = result.rows if result.rows is not None else list(range(result.num_accepted + 1))
         if self.drafter is not None and not self.finished:
             t0 = time.perf_counter()
-            if not self.forced_step and not self.pruned:  # rows as the drafter proposed them
+            own = not (self.forced_step or self.foreign_step)  # the drafter made this step's drafts
+            if own and not self.pruned:  # rows as the drafter proposed them
                 self.drafter.observe(logits)
             if self.capture is not None:
                 self.drafter.observe_hidden(self.capture.take()[kept])
-            # After a forced step the drafter kept none of its own drafts (it made none) and
-            # catches up on the committed tokens at its next propose, as after a step without drafts.
-            self.drafter.accept(seq, 0 if self.forced_step else result.num_accepted)
+            # After a forced or predicted step the drafter kept none of its own drafts (it made
+            # none) and catches up on the committed tokens at its next propose, as after a plain step.
+            self.drafter.accept(seq, result.num_accepted if own else 0)
             stats.draft_s += time.perf_counter() - t0
+        self.foreign_step = False
         return self._event(new, logits[kept])
 
     def finish(self) -> StreamEvent:

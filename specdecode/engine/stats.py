@@ -20,6 +20,10 @@ class RequestStats:
     target_steps: int = 0  # target forwards after prefill (verify or plain)
     plain_steps: int = 0  # of those, steps that verified no draft (the policy judged drafts would not pay)
     free_drafts: int = 0  # drafts (steps) taken from a free source: a copy from a context match
+    # drafted tokens from the request's prediction that were kept / refused (OpenAI's
+    # accepted_prediction_tokens / rejected_prediction_tokens)
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
