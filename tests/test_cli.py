@@ -222,3 +222,20 @@ def test_library_messages_reach_stderr_as_plain_lines(capsys):
     logging.getLogger("specdecode.files").info("waiting for another process doing a build ...")
     assert capsys.readouterr().err == ("specdecode: the packed cache m is damaged\n"
                                        "waiting for another process doing a build ...\n")
+
+
+def test_compare_prints_speedup_and_identity_and_a_prediction_is_counted(tiny_pair, tmp_path, capsys):
+    """``generate --compare`` (text output) reports the speedup and identity; a prediction file is
+    drafted from and counted, and changes nothing in the output."""
+    from specdecode.cli import main
+
+    target, _ = tiny_pair
+    assert main(["generate", "--model", str(target), "--method", "none", "--prompt", "def f(x):",
+                 "--max-tokens", "12", "--compare"]) == 0
+    out, err = capsys.readouterr()
+    assert "identical to plain decoding: True" in err
+    (tmp_path / "p.txt").write_text(out.rstrip("\n"))
+    assert main(["generate", "--model", str(target), "--method", "none", "--prompt", "def f(x):",
+                 "--max-tokens", "12", "--compare", "--prediction-file", str(tmp_path / "p.txt")]) == 0
+    out2, err2 = capsys.readouterr()
+    assert out2 == out and "identical to plain decoding: True" in err2 and "prediction tokens" in err2

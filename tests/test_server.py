@@ -85,6 +85,25 @@ def test_damaged_weights_being_rebuilt_answer_503_and_health_says_so(live, monke
     assert live.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})[0] == 200
 
 
+def test_a_prediction_changes_nothing_but_the_speed_and_is_counted(live, client):
+    """OpenAI's predicted outputs on chat and completions: the answer is the one without the
+    prediction; usage counts the prediction's drafts kept and refused."""
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    for content in (plain.choices[0].message.content, [{"type": "text", "text": "something else entirely"}]):
+        predicted = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                   prediction={"type": "content", "content": content})
+        assert predicted.choices[0].message.content == plain.choices[0].message.content
+        details = predicted.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= 0 and details.rejected_prediction_tokens >= 0
+    status, body = live.post("/v1/completions", {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8,
+                                                 "prediction": {"type": "content", "content": "    return a + b"}})
+    assert status == 200 and "accepted_prediction_tokens" in body["usage"]["completion_tokens_details"]
+    status, body = live.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                 "prediction": {"type": "file", "content": "y"}})
+    assert status == 400 and body["error"]["param"].startswith("prediction")
+
+
 def test_completion_equals_offline_greedy(client, offline):
     resp = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0)
     ref = offline.generate("def add(a, b):", greedy(12))[0]

@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--prediction-file", type=Path, metavar="FILE",
+                   help="text the output is expected to be close to (say, the file you ask to edit): drafted "
+                        "from for free; the output is exactly the model's whatever it says")
     p.add_argument("--chat", action="store_true",
                    help="treat the prompt as a user message and apply the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default: %(default)s)")
@@ -84,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
-                            constraint=constraint_from_args(args))
+                            constraint=constraint_from_args(args),
+                            prediction=(read_user_text(args.prediction_file, "--prediction-file", MAX_PROMPT_FILE_BYTES)
+                                        if args.prediction_file is not None else None))
     method = chosen_method(args)
     llm = LLM(model=args.model, draft=args.draft, method=method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json,
@@ -133,12 +138,15 @@ def _report(out, base, tokenizer) -> dict:
     if out.logprobs is not None:
         report["logprobs"] = [_logprob_json(lp, tokenizer) for lp in out.logprobs]
     if base is not None:
-        report.update(
-            baseline_tokens_per_s=base.stats.tokens_per_s,
-            speedup=s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0,
-            identical=out.token_ids == base.token_ids,
-        )
+        report.update(_comparison(out, base))
     return report
+
+
+def _comparison(out, base) -> dict:
+    """``out`` against plain decoding's ``base`` (``--compare``)."""
+    return {"baseline_tokens_per_s": base.stats.tokens_per_s,
+            "speedup": out.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0,
+            "identical": out.token_ids == base.token_ids}
 
 
 def _logprob_json(lp, tokenizer) -> dict:
@@ -162,8 +170,10 @@ def _print_stats(out, base=None) -> None:
     line = (f"[{out.method}] {s.completion_tokens} tokens, {s.tokens_per_s:.2f} tok/s, "
             f"tau {s.mean_acceptance_length:.2f}, acceptance {s.acceptance_rate:.0%}, "
             f"ttft {s.ttft_s:.2f}s, finish {out.finish_reason}")
+    if s.prediction_accepted or s.prediction_rejected:
+        line += f", prediction tokens kept {s.prediction_accepted} refused {s.prediction_rejected}"
     print(line, file=sys.stderr)
     if base is not None:
-        r = _report(out, base)
+        r = _comparison(out, base)
         print(f"[none] {base.stats.tokens_per_s:.2f} tok/s; speedup {r['speedup']:.2f}x; "
               f"identical to plain decoding: {r['identical']}", file=sys.stderr)

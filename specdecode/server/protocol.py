@@ -35,6 +35,7 @@ from specdecode.server.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     SpecDecodeStats,
     TokenLogprobOut,
     TopLogprob,
@@ -107,6 +108,7 @@ def _params(req: CompletionRequest | ChatCompletionRequest, llm: LLM, ids: list[
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0), seed=req.seed, stop=req.stop, ignore_eos=bool(req.ignore_eos),
             logprobs=_logprobs(req), constraint=constraint,
+            prediction=req.prediction.text() if req.prediction is not None else None,
         )
     except SpecDecodeError as exc:
         raise from_spec_error(exc) from None
@@ -133,8 +135,10 @@ def spec_stats(output: GenerationOutput) -> SpecDecodeStats:
 
 
 def usage(output: GenerationOutput) -> Usage:
-    p, c = len(output.prompt_token_ids), len(output.token_ids)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    p, c, s = len(output.prompt_token_ids), len(output.token_ids), output.stats
+    details = CompletionTokensDetails(accepted_prediction_tokens=s.prediction_accepted,
+                                      rejected_prediction_tokens=s.prediction_rejected)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, completion_tokens_details=details)
 
 
 def completion_body(model: str, output: GenerationOutput, tokenizer: Tokenizer) -> dict[str, Any]:

@@ -55,6 +55,26 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
+class PredictedOutput(BaseModel):
+    """OpenAI's ``prediction``: text the answer is expected to be close to (the file being
+    edited, say), drafted from for free; the answer is the model's whatever it says."""
+
+    model_config = _REQUEST_CONFIG
+
+    type: Literal["content"]
+    content: Any  # str | list of text parts, checked like a message's content
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> str | list[Any]:
+        if value is None:
+            raise ValueError("prediction.content must be a string or a list of text parts")
+        return _text_parts(value)
+
+    def text(self) -> str:
+        return _joined(self.content)
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -77,6 +97,7 @@ class _GenerationRequest(BaseModel):
     user: str | None = None  # an end-user id for the caller's own logs; changes nothing
     response_format: ResponseFormat | None = None  # OpenAI's on chat; vLLM also takes it on completions
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice, grammar
+    prediction: PredictedOutput | None = None  # OpenAI's predicted outputs (chat; here on completions too)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -216,20 +237,10 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any) -> str | list[Any] | None:
-        if value is not None and not isinstance(value, (str, list)):
-            raise ValueError("content must be a string or a list of text parts")
-        if isinstance(value, list):
-            for part in value:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
-                if set(part) - {"type", "text"}:
-                    raise ValueError(f"unknown keys in a content part: {sorted(set(part) - {'type', 'text'})}")
-        return value
+        return None if value is None else _text_parts(value)
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(part["text"] for part in self.content)
-        return self.content or ""
+        return _joined(self.content)
 
     def unsupported(self) -> str | None:
         if self.tool_calls or self.tool_call_id or self.function_call or self.audio:
@@ -257,7 +268,6 @@ class ChatCompletionRequest(_GenerationRequest):
     function_call: Any = None
     modalities: list[str] | None = None
     audio: Any = None
-    prediction: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
@@ -284,7 +294,6 @@ class ChatCompletionRequest(_GenerationRequest):
             ("function_call", self.function_call not in (None, "none"), "function_call is not supported"),
             ("modalities", self.modalities not in (None, ["text"]), "only the 'text' modality is supported"),
             ("audio", self.audio is not None, "audio output is not supported"),
-            ("prediction", self.prediction is not None, "predicted outputs are not supported"),
             ("reasoning_effort", self.reasoning_effort is not None, "reasoning_effort is not supported"),
             ("verbosity", self.verbosity is not None, "verbosity is not supported"),
             ("web_search_options", self.web_search_options is not None, "web search is not supported"),
@@ -295,6 +304,26 @@ class ChatCompletionRequest(_GenerationRequest):
         return checks
 
 
+def _text_parts(value: Any) -> str | list[Any]:
+    """A content value as OpenAI sends it: a string or a list of text parts (checked here for a
+    clearer message than a union type's)."""
+    if not isinstance(value, (str, list)):
+        raise ValueError("content must be a string or a list of text parts")
+    if isinstance(value, list):
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            if set(part) - {"type", "text"}:
+                raise ValueError(f"unknown keys in a content part: {sorted(set(part) - {'type', 'text'})}")
+    return value
+
+
+def _joined(content: str | list[Any] | None) -> str:
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content or ""
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -302,10 +331,19 @@ def _is_int(value: Any) -> bool:
 # --- responses --------------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's breakdown of the completion tokens: with a prediction, its drafted tokens the
+    model kept and refused (the refused ones cost verify rows, never the answer)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # set when the request sent a prediction
 
 
 class SpecDecodeStats(BaseModel):
