@@ -22,6 +22,7 @@ from specdecode.drafters.draft_vocab import restricted_draft
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine.engine import Engine
 from specdecode.engine.generation import GenerationOutput, StreamEvent
+from specdecode.engine.prefix_cache import parse_memory
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError
@@ -54,6 +55,8 @@ class LLM:
         eagle_head: str | Path | None = None,
         medusa_heads: str | Path | None = None,
         progress: bool = True,
+        prefix_cache: bool = True,
+        kv_cache_memory: int | str | None = None,
         **spec: Any,
     ) -> None:
         """``spec``: any ``SpecConfig`` field (``method``: by default ``combined`` with a draft
@@ -75,7 +78,12 @@ class LLM:
         GGUF, every catalog model) runs the GGUF's quantized weights as shipped through integer
         kernels, activations quantized per row; "none" (the default otherwise) runs float weights
         dequantized once; "int8" gives float32 weights per-row int8. Each is a slightly different
-        model; every method is exact with respect to the one chosen, which ``method="none"`` runs."""
+        model; every method is exact with respect to the one chosen, which ``method="none"`` runs.
+        ``prefix_cache``: keep finished requests' KV caches, so a prompt that starts like an
+        earlier one (the next turn of a conversation) prefills only the rest; the output is
+        bitwise the same either way. ``kv_cache_memory``: bytes (or a size like "2GiB") all
+        requests' KV caches may take, running and kept; by default a quarter of the machine's
+        memory (``engine/prefix_cache.py``)."""
         unknown = sorted(set(spec) - {f.name for f in dataclasses.fields(SpecConfig)})
         if unknown:
             raise InvalidConfigError(f"LLM() got unknown setting(s) {', '.join(unknown)}; the speculative ones are "
@@ -104,7 +112,8 @@ class LLM:
             log.warning(f"specdecode: running {model!r} dequantized to float32 ({exc})")
             self.quantize = None
             self.target = Decoder.from_dir(path, dtype)
-        self.engine = Engine(self.target, self.tokenizer, max_seq_len)
+        memory = parse_memory(kv_cache_memory) if kv_cache_memory is not None else None
+        self.engine = Engine(self.target, self.tokenizer, max_seq_len, prefix_cache, memory)
         self.draft_model: Decoder | None = None
         self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary
         if draft is not None:

@@ -35,6 +35,7 @@ from specdecode.server.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     SpecDecodeStats,
     TokenLogprobOut,
     TopLogprob,
@@ -134,7 +135,8 @@ def spec_stats(output: GenerationOutput) -> SpecDecodeStats:
 
 def usage(output: GenerationOutput) -> Usage:
     p, c = len(output.prompt_token_ids), len(output.token_ids)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=output.stats.cached_tokens))
 
 
 def completion_body(model: str, output: GenerationOutput, tokenizer: Tokenizer) -> dict[str, Any]:

@@ -302,10 +302,15 @@ def _is_int(value: Any) -> bool:
 # --- responses --------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose keys and values came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class SpecDecodeStats(BaseModel):
