@@ -265,3 +265,14 @@ def test_native_two_turns_with_the_prefix_cache_equal_two_turns_without(native, 
         with_cache = _conversation(native, method, params, first)
         _turns_agree(with_cache, cold)
         assert with_cache[1].stats.cached_tokens > 0 and cold[1].stats.cached_tokens == 0
+
+
+def test_int8_target_two_turns_with_the_prefix_cache_equal_two_turns_without(tiny_pair):
+    llm = LLM(model=str(tiny_pair[0]), draft=str(tiny_pair[1]), max_seq_len=512, progress=False, quantize="int8")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    first = "def f(x): return x + 1  # an int8 target, long enough for a real prefill " * 2
+    for method in ("none", "draft_model"):
+        cold = _without_cache(llm, lambda: _conversation(llm, method, params, first))
+        with_cache = _conversation(llm, method, params, first)
+        _turns_agree(with_cache, cold)
+        assert with_cache[1].stats.cached_tokens > 40

@@ -81,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_method_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
-                                        "summarization, rag, math, translation, or all")
+                                        "summarization, rag, math, translation, or all of those; agent "
+                                        "(coding sessions growing turn by turn, TTFT reported per turn) "
+                                        "by name only")
     src.add_argument("--dataset", type=Path,
                      help="Spec-Bench question.jsonl: one {question_id, category, turns} object a line")
     p.add_argument("--limit", type=int, default=None,
