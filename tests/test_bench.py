@@ -207,8 +207,11 @@ def test_multi_turn_sends_the_models_own_answer(tiny_pair, tmp_path):
     assert sorted((r["method"], r["turn"]) for r in rows) == [("ngram", 0), ("ngram", 1), ("none", 0), ("none", 1)]
     assert all(r["identical"] for r in rows)
     assert set(summary["per_category"]) == {"writing"}
-    # Every conversation starts cold; its second turn reuses its first from the prefix cache.
-    assert all((r["cached_tokens"] > r["prompt_tokens"] // 2) == (r["turn"] == 1) for r in rows)
+    # Every conversation starts cold; its second turn reuses at least its first turn's prompt.
+    turns = {(r["method"], r["turn"]): r for r in rows}
+    for method in ("none", "ngram"):
+        assert turns[method, 0]["cached_tokens"] == 0
+        assert turns[method, 1]["cached_tokens"] >= turns[method, 0]["prompt_tokens"]
     assert [t["turn"] for t in summary["methods"]["none"]["by_turn"]] == [0, 1]
     assert "## TTFT per turn" in (tmp_path / "out" / "summary.md").read_text()
 

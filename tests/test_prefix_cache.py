@@ -200,6 +200,18 @@ def test_an_entry_too_small_for_the_request_is_copied_into_a_larger_cache():
     assert pool.used == 3 * 256
 
 
+def test_a_kept_cache_shrinks_to_the_tokens_it_holds():
+    pool = _pool(4)
+    lease = pool.take([1, 2, 3], 32)
+    lease.cache.k[0, 0, :3] = torch.arange(12.0).view(3, 4)
+    lease.cache.length = 3
+    pool.release(lease.cache, [1, 2, 3])
+    assert pool.used == 256  # one block of 8 slots kept, not 32 slots
+    again = pool.take([1, 2, 3, 4], 8)
+    assert again.cached == 3 and again.cache.capacity == 8
+    assert torch.equal(again.cache.k[0, 0, :3], torch.arange(12.0).view(3, 4))
+
+
 def test_an_engine_over_its_budget_refuses_with_the_named_error(tiny_pair):
     llm = LLM(model=str(tiny_pair[0]), max_seq_len=512, progress=False, kv_cache_memory="4KiB")
     with pytest.raises(KVCacheFullError, match="kv-cache-memory"):

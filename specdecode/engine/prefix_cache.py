@@ -20,7 +20,8 @@ than the request needs.
 
 Memory: every cache, running or idle, counts against ``budget`` bytes. Allocating evicts idle
 entries least recently used first; running requests' caches are never evicted. A request that
-cannot fit even then gets ``KVCacheFullError`` instead of an out-of-memory crash. With
+cannot fit even then gets ``KVCacheFullError`` instead of an out-of-memory crash. A kept cache
+much larger than the tokens it holds is first copied into one of their size (whole blocks). With
 ``enabled=False`` nothing is kept or looked up, but the budget still bounds the running caches.
 """
 
@@ -121,10 +122,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._idle)
 
-    @property
-    def idle_bytes(self) -> int:
-        return sum(_bytes(e.cache) for e in self._idle.values())
-
     def take(self, prompt_ids: Sequence[int], capacity: int, reuse: bool = True) -> Lease:
         """A cache of at least ``capacity`` tokens for a request with ``prompt_ids``, holding the
         longest cached prefix of them (``reuse`` False: an empty one, for requests that need
@@ -178,7 +175,9 @@ class PrefixCache:
         for old in [e for e in self._idle.values() if common_prefix(e.ids, ids) == e.ids.shape[0]]:
             self._drop(old)  # the new entry serves every prompt the old one would, as far or further
         cache.length = held
-        entry = _Entry(ids, cache)
+        self.used -= size
+        entry = _Entry(ids, self._compact(cache, held))
+        self.used += _bytes(entry.cache)
         self._idle[id(entry)] = entry
 
     def discard(self, cache: KVCache) -> None:
@@ -217,6 +216,19 @@ class PrefixCache:
         self._leased[id(cache)] = size
         self.used += size
         return cache
+
+    def _compact(self, cache: KVCache, held: int) -> KVCache:
+        """``cache``, or a copy of its ``held`` tokens in a cache of whole blocks when that frees
+        at least half of it: a request's cache is sized for its prompt and ``max_tokens`` (a chat
+        request's, for the whole context), far more than an answer that stopped early leaves."""
+        blocks = math.ceil(held / self.block) * self.block
+        if 2 * blocks > cache.capacity:
+            return cache
+        small = self.new_cache(blocks)
+        small.k[:, :, :held] = cache.k[:, :, :held]
+        small.v[:, :, :held] = cache.v[:, :, :held]
+        small.length = held
+        return small
 
     def _drop(self, entry: _Entry) -> None:
         del self._idle[id(entry)]
