@@ -22,7 +22,7 @@ from specdecode.drafters.draft_vocab import restricted_draft
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine.engine import Engine
 from specdecode.engine.generation import GenerationOutput, StreamEvent
-from specdecode.engine.prefix_cache import parse_memory
+from specdecode.models.prefix_cache import PrefixCache, companion, parse_memory
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError
@@ -83,7 +83,7 @@ class LLM:
         earlier one (the next turn of a conversation) prefills only the rest; the output is
         bitwise the same either way. ``kv_cache_memory``: bytes (or a size like "2GiB") all
         requests' KV caches may take, running and kept; by default a quarter of the machine's
-        memory (``engine/prefix_cache.py``)."""
+        memory (``models/prefix_cache.py``)."""
         unknown = sorted(set(spec) - {f.name for f in dataclasses.fields(SpecConfig)})
         if unknown:
             raise InvalidConfigError(f"LLM() got unknown setting(s) {', '.join(unknown)}; the speculative ones are "
@@ -114,6 +114,7 @@ class LLM:
             self.target = Decoder.from_dir(path, dtype)
         memory = parse_memory(kv_cache_memory) if kv_cache_memory is not None else None
         self.engine = Engine(self.target, self.tokenizer, max_seq_len, prefix_cache, memory)
+        self.draft_prefixes: PrefixCache | None = None  # the draft model's, beside the engine's
         self.draft_model: Decoder | None = None
         self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary
         if draft is not None:
@@ -125,6 +126,8 @@ class LLM:
             if self.draft_tokenizer is None:  # the target's ids: its head may keep the frequent ones only
                 self.draft_model = restricted_draft(self.draft_model, self.spec.draft_vocab, DEFAULT_DRAFT_VOCAB,
                                                     self.tokenizer)
+                if prefix_cache:
+                    self.draft_prefixes = companion(self.engine.caches, self.draft_model.new_cache)
             else:
                 log.warning(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "
                             "translated through text (cross-vocabulary mode; the output is still exact)")
@@ -138,7 +141,15 @@ class LLM:
         self.resources = DraftResources(self.spec, self.target, self.tokenizer, self.draft_model,
                                         self.draft_tokenizer, draft, self.datastore, self.suffix_history,
                                         lambda: self.self_skip, self.eagle_head, self.medusa_heads,
-                                        quantize_heads=draft_quantize not in (None, "none"))
+                                        quantize_heads=draft_quantize not in (None, "none"),
+                                        draft_prefixes=self.draft_prefixes)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every kept prefix (the target's and the draft model's): the next requests start
+        cold, as a benchmark's conversations each should."""
+        self.engine.caches.clear()
+        if self.draft_prefixes is not None:
+            self.draft_prefixes.clear()
 
     def _foreign_tokenizer(self, draft: str, draft_path: Path) -> Tokenizer | None:
         """The draft's tokenizer when its drafts must be translated through text (another

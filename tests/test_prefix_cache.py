@@ -1,5 +1,5 @@
 """Prefix caching: a prompt that starts like an earlier request's prefills only the rest, with
-bitwise the output of a cold start, inside a memory budget (specdecode/engine/prefix_cache.py)."""
+bitwise the output of a cold start, inside a memory budget (specdecode/models/prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.generation import PREFILL_CHUNK
-from specdecode.engine.prefix_cache import PrefixCache, common_prefix, parse_memory
+from specdecode.models.prefix_cache import PrefixCache, common_prefix, parse_memory
 from specdecode.errors import InvalidConfigError, KVCacheFullError
 from specdecode.models.cache import KVCache
 from specdecode.server.scheduler import Scheduler
@@ -72,11 +72,11 @@ def test_a_prefill_equals_feeding_the_prompt_token_by_token(uncached):
     assert torch.equal(one.k[:, :, :90], whole.k[:, :, :90])
 
 
-def _conversation(llm: LLM, method: str, params: SamplingParams, first: str):
+def _conversation(llm: LLM, method: str, params: SamplingParams, first: str, **settings):
     """Two turns: the second prompt is the first prompt, its answer and a new message."""
-    one = llm.generate(first, params, method=method)[0]
+    one = llm.generate(first, params, method=method, **settings)[0]
     ids = one.prompt_token_ids + one.token_ids + llm.tokenizer.encode(" and then def g(y): return y")
-    two = llm.generate(ids, params, method=method)[0]
+    two = llm.generate(ids, params, method=method, **settings)[0]
     return one, two
 
 
@@ -101,6 +101,21 @@ def test_two_turns_with_the_prefix_cache_equal_two_turns_without(cached, uncache
         one = with_cache[0]
         assert with_cache[1].stats.cached_tokens == len(one.prompt_token_ids) + len(one.token_ids) - 1
     assert all(o.stats.cached_tokens == 0 for o in _conversation(uncached, method, greedy, first))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "tree"])
+def test_the_draft_model_resumes_from_its_own_prefix_cache(cached, method, monkeypatch):
+    """The next turn's draft cache starts from the last turn's: only the new tokens are fed."""
+    drafter = cached.drafter(method)
+    draft = getattr(drafter, "draft", drafter)  # tree wraps a DraftModelDrafter
+    begun = []
+    begin = type(draft).begin
+    monkeypatch.setattr(draft, "begin", lambda seq: (begin(draft, seq), begun.append(draft._cached)))
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cached.clear_prefix_cache()
+    one, two = _conversation(cached, method, greedy, f"class Draft{method}: pass  # " * 3, adaptive=False)
+    assert begun[0] == 0 and begun[1] > len(one.prompt_token_ids) // 2
+    assert cached.draft_prefixes.hits >= begun[1]
 
 
 def test_the_same_prompt_again_reuses_all_but_its_last_token(cached):
@@ -248,13 +263,16 @@ def native(tmp_path_factory) -> LLM:
 
 
 def _without_cache(llm: LLM, run):
-    """``run()`` on ``llm`` with its prefix cache switched off (and emptied), then on again."""
-    llm.engine.caches.clear()
-    llm.engine.caches.enabled = False
+    """``run()`` on ``llm`` with its prefix caches switched off (and emptied), then on again."""
+    llm.clear_prefix_cache()
+    pools = [p for p in (llm.engine.caches, llm.draft_prefixes) if p is not None]
+    for pool in pools:
+        pool.enabled = False
     try:
         return run()
     finally:
-        llm.engine.caches.enabled = True
+        for pool in pools:
+            pool.enabled = True
 
 
 def test_native_resumed_prefill_equals_a_whole_prefill(native):

@@ -316,7 +316,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
             result = run_benchmark(ours + peers, plan.prompts, plan.params,
                                    llm.chat_prompt_ids, args.repeat, step_timer=target_step_timer(llm, first_ids),
                                    on_row=sink, progress=not args.no_progress, detached=detached,
-                                   fresh=llm.engine.caches.clear)
+                                   fresh=llm.clear_prefix_cache)
     meta = _meta(args, plan, model=llm.model_name, draft=draft, dtype=args.dtype)
     summary = summarize(result.rows, meta, target_step_s=result.target_step_s, peak_rss_mb=result.peak_rss_mb,
                         failures=result.failures, peer_settings=peer_settings)

@@ -63,7 +63,7 @@ def add_prefix_cache_options(p: argparse.ArgumentParser) -> None:
 
 def kv_memory_arg(text: str) -> int:
     """A ``--kv-cache-memory`` value in bytes, or an argparse error naming the forms accepted."""
-    from specdecode.engine.prefix_cache import parse_memory
+    from specdecode.models.prefix_cache import parse_memory
     from specdecode.errors import InvalidConfigError
 
     try:

@@ -12,7 +12,7 @@ gets exactly the tokens it would get alone.
 
 A request that fails (a bad grammar mid-way, NaN logits) fails alone; a failed shared forward
 fails the requests in it. A cancelled request leaves at the next step. A request that leaves
-hands its cache back to the prefix cache (``prefix_cache.py``), which keeps it for later
+hands its cache back to the prefix cache (``models/prefix_cache.py``), which keeps it for later
 requests, or frees it when the request failed (a failed forward may leave it half written).
 """
 
@@ -29,7 +29,7 @@ from specdecode.engine.costs import RequestOutcome, StepTimes
 from specdecode.engine.drafting import DraftWork, draft_all
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.engine.policy import DraftRequest, SpeculationPolicy
-from specdecode.engine.prefix_cache import PrefixCache
+from specdecode.models.prefix_cache import PrefixCache
 from specdecode.drafters.base import DraftSource
 from specdecode.models.decoder import Decoder
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal

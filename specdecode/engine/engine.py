@@ -2,7 +2,7 @@
 
 A request runs as a batch of one through the step loop (``batch.py``), the same loop a server's
 concurrent requests share, so solo and batched requests decode, draft and choose K alike. Every
-request takes its KV cache from the engine's prefix cache (``prefix_cache.py``), which may already
+request takes its KV cache from the engine's prefix cache (``models/prefix_cache.py``), which may
 hold the start of its prompt, and hands it back when it ends.
 """
 
@@ -16,7 +16,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.batch import Batch
 from specdecode.engine.generation import Generation, GenerationOutput, StreamEvent
 from specdecode.engine.policy import CostModel, SpeculationPolicy
-from specdecode.engine.prefix_cache import PrefixCache, default_memory
+from specdecode.models.prefix_cache import PrefixCache, default_memory
 from specdecode.errors import PromptTooLongError
 from specdecode.models.cache import KVCache
 from specdecode.models.decoder import Decoder

@@ -72,7 +72,7 @@ class Generation:
                  tokenizer: Tokenizer, cache: KVCache, max_seq_len: int, grammar: TokenGrammar | None = None,
                  cached: int = 0) -> None:
         """``cached``: how many leading prompt tokens ``cache`` already holds (a prefix cache
-        hit, ``prefix_cache.py``); the prefill runs the rest."""
+        hit, ``models/prefix_cache.py``); the prefill runs the rest."""
         self.started = time.perf_counter()
         self.cache, self.drafter, self.max_seq_len = cache, drafter, max_seq_len
         if not 0 <= cached < len(prompt_ids):

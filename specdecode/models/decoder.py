@@ -202,7 +202,7 @@ class Decoder:
 
         ``invariant``: a lone long segment (a prompt) stays on the invariant kernels too, so its
         rows get the bits they would get in any other call: what lets a prefill resume after a
-        prefix an earlier request computed (``engine/prefix_cache.py``).
+        prefix an earlier request computed (``models/prefix_cache.py``).
         """
         cfg = self.config
         group = cfg.num_heads // cfg.num_kv_heads

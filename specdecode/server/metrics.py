@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specdecode.engine.generation import GenerationOutput
-from specdecode.engine.prefix_cache import PrefixCache
+from specdecode.models.prefix_cache import PrefixCache
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -13,7 +13,7 @@ A new request's prompt runs in chunks (``engine.PREFILL_CHUNK`` tokens), one chu
 turn between the active requests' decode steps, so a long prompt delays the running streams by
 one chunk at a time, not by its whole prefill; a request cancelled while its prompt runs stops
 at the next chunk. Each request takes its KV cache from the engine's prefix cache and hands it
-back when it ends (``engine/prefix_cache.py``): a prompt that starts like an earlier request's
+back when it ends (``models/prefix_cache.py``): a prompt that starts like an earlier request's
 prefills only the rest; a request whose cache does not fit the memory budget fails with
 :class:`KVCacheFullError` (HTTP 503). A bounded wait queue turns overload into an immediate
 :class:`ServerBusyError` (HTTP 429) instead of unbounded latency. Cancelling a job (client

@@ -75,6 +75,17 @@ def default_memory() -> int:
     return int(total * DEFAULT_MEMORY_SHARE)
 
 
+def companion(pool: PrefixCache, new_cache: Callable[[int], KVCache]) -> PrefixCache:
+    """A prefix cache for a second model over the same sequences (a draft model's), given its
+    share of ``pool``'s budget: a sequence is kept by both, so they split the budget in
+    proportion to their bytes per token."""
+    other = PrefixCache(new_cache, 1, pool.enabled)
+    total = pool.budget
+    other.budget = max(1, total * other.slot_bytes // (pool.slot_bytes + other.slot_bytes))
+    pool.budget = total - other.budget
+    return other
+
+
 def common_prefix(a: Tensor, b: Tensor) -> int:
     """How many leading tokens the id tensors ``a`` and ``b`` share."""
     n = min(a.shape[0], b.shape[0])
@@ -147,9 +158,7 @@ class PrefixCache:
             return Lease(entry.cache, keep)
         superseded = keep == held  # the copy holds all the entry holds: it can go after the copy
         cache = self._allocate(capacity, pinned=entry, frees=_bytes(entry.cache) if superseded else 0)
-        cache.k[:, :, :keep] = entry.cache.k[:, :, :keep]
-        cache.v[:, :, :keep] = entry.cache.v[:, :, :keep]
-        cache.length = keep
+        _copy_prefix(entry.cache, cache, keep)
         if superseded:
             self._drop(entry)
         else:
@@ -167,17 +176,55 @@ class PrefixCache:
         size = self._leased.pop(id(cache), None)
         if size is None:
             return
+        self.used -= size
         held = min(cache.length, len(token_ids))
-        if not self.enabled or held == 0:
-            self.used -= size
-            return
-        ids = torch.tensor(list(token_ids[:held]), dtype=torch.long)
+        if self.enabled and held:
+            cache.length = held
+            kept = self._compact(cache, held)
+            self.used += _bytes(kept)
+            self._keep(token_ids[:held], kept)
+
+    def restore(self, prompt_ids: Sequence[int], cache: KVCache) -> int:
+        """Copy the longest cached prefix of ``prompt_ids`` (all but its last token at most) into
+        ``cache``, which the caller owns (a draft model's cache); return how many tokens it now
+        holds (0: none, the cache emptied)."""
+        with self._lock:
+            cache.length = 0
+            if not self.enabled:
+                return 0
+            prompt = torch.tensor(list(prompt_ids), dtype=torch.long)
+            self.queries += prompt.shape[0]
+            entry, common = self._longest(prompt)
+            keep = min(common, prompt.shape[0] - 1, cache.capacity)
+            if entry is None or keep <= 0:
+                return 0
+            self.hits += keep
+            _copy_prefix(entry.cache, cache, keep)
+            self._idle.move_to_end(id(entry))
+            return keep
+
+    def keep_copy(self, cache: KVCache, token_ids: Sequence[int]) -> None:
+        """Keep a copy of ``cache``'s first slots, which hold ``token_ids``, for ``restore``; the
+        caller keeps ``cache``. Skipped when the copy does not fit the budget even with every
+        idle entry evicted: a draft's cache only saves time."""
+        with self._lock:
+            held = min(cache.length, len(token_ids))
+            if not self.enabled or not held:
+                return
+            try:
+                self._make_room(self._blocks(held) * self.slot_bytes)
+            except KVCacheFullError:
+                return
+            copy = self._copy(cache, held, self._blocks(held))
+            self.used += _bytes(copy)
+            self._keep(token_ids[:held], copy)
+
+    def _keep(self, token_ids: Sequence[int], cache: KVCache) -> None:
+        """Add an idle entry (its bytes already counted), dropping the entries it extends."""
+        ids = torch.tensor(list(token_ids), dtype=torch.long)
         for old in [e for e in self._idle.values() if common_prefix(e.ids, ids) == e.ids.shape[0]]:
             self._drop(old)  # the new entry serves every prompt the old one would, as far or further
-        cache.length = held
-        self.used -= size
-        entry = _Entry(ids, self._compact(cache, held))
-        self.used += _bytes(entry.cache)
+        entry = _Entry(ids, cache)
         self._idle[id(entry)] = entry
 
     def discard(self, cache: KVCache) -> None:
@@ -202,33 +249,39 @@ class PrefixCache:
         return best, best_common
 
     def _allocate(self, capacity: int, pinned: _Entry | None = None, frees: int = 0) -> KVCache:
-        """A new leased cache, evicting idle entries (least recently used first, never ``pinned``)
-        until it fits; ``frees``: bytes the caller frees right after (a superseded entry)."""
-        need = math.ceil(capacity / self.block) * self.block * self.slot_bytes
-        while self.used - frees + need > self.budget:
-            victim = next((e for e in self._idle.values() if e is not pinned), None)
-            if victim is None:
-                raise KVCacheFullError(self._full_message(need))
-            self._drop(victim)
-            self.evictions += 1
+        """A new leased cache; see ``_make_room``."""
+        self._make_room(self._blocks(capacity) * self.slot_bytes, pinned, frees)
         cache = self.new_cache(capacity)
         size = _bytes(cache)
         self._leased[id(cache)] = size
         self.used += size
         return cache
 
+    def _make_room(self, need: int, pinned: _Entry | None = None, frees: int = 0) -> None:
+        """Evict idle entries (least recently used first, never ``pinned``) until ``need`` more
+        bytes fit; ``frees``: bytes the caller frees right after (a superseded entry)."""
+        while self.used - frees + need > self.budget:
+            victim = next((e for e in self._idle.values() if e is not pinned), None)
+            if victim is None:
+                raise KVCacheFullError(self._full_message(need))
+            self._drop(victim)
+            self.evictions += 1
+
+    def _blocks(self, tokens: int) -> int:
+        """Slots a cache for ``tokens`` tokens has (whole blocks)."""
+        return math.ceil(tokens / self.block) * self.block
+
+    def _copy(self, cache: KVCache, held: int, capacity: int) -> KVCache:
+        copy = self.new_cache(capacity)
+        _copy_prefix(cache, copy, held)
+        return copy
+
     def _compact(self, cache: KVCache, held: int) -> KVCache:
         """``cache``, or a copy of its ``held`` tokens in a cache of whole blocks when that frees
         at least half of it: a request's cache is sized for its prompt and ``max_tokens`` (a chat
         request's, for the whole context), far more than an answer that stopped early leaves."""
-        blocks = math.ceil(held / self.block) * self.block
-        if 2 * blocks > cache.capacity:
-            return cache
-        small = self.new_cache(blocks)
-        small.k[:, :, :held] = cache.k[:, :, :held]
-        small.v[:, :, :held] = cache.v[:, :, :held]
-        small.length = held
-        return small
+        blocks = self._blocks(held)
+        return cache if 2 * blocks > cache.capacity else self._copy(cache, held, blocks)
 
     def _drop(self, entry: _Entry) -> None:
         del self._idle[id(entry)]
@@ -242,6 +295,13 @@ class PrefixCache:
         return (f"this request's KV cache needs {need / mib:.0f} MiB but running requests hold "
                 f"{self.used / mib:.0f} of the {self.budget / mib:.0f} MiB KV cache budget; retry shortly, "
                 "or raise --kv-cache-memory")
+
+
+def _copy_prefix(source: KVCache, target: KVCache, n: int) -> None:
+    """``target`` holds ``source``'s first ``n`` tokens, and only those."""
+    target.k[:, :, :n] = source.k[:, :, :n]
+    target.v[:, :, :n] = source.v[:, :, :n]
+    target.length = n
 
 
 def _bytes(cache: KVCache) -> int:
