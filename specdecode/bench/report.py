@@ -168,8 +168,8 @@ def _turn_table(summary: dict[str, Any]) -> list[str]:
             if t is None:
                 cells.append("-")
                 continue
-            cached = f" ({t['cached_tokens']:.0f}/{t['prompt_tokens']:.0f})" if t.get("cached_tokens") is not None else ""
-            cells.append(_fmt(t["ttft_s"]) + cached)
+            reused = t.get("cached_tokens")
+            cells.append(_fmt(t["ttft_s"]) + (f" ({reused:.0f}/{t['prompt_tokens']:.0f})" if reused is not None else ""))
         lines.append(f"| {turn + 1} | " + " | ".join(cells) + " |")
     return lines
 
