@@ -22,6 +22,7 @@ from specdecode.drafters.draft_vocab import restricted_draft
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine.engine import Engine
 from specdecode.engine.generation import GenerationOutput, StreamEvent
+from specdecode.models.prefix_cache import PrefixCache, companion, parse_memory
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
 from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError
@@ -54,6 +55,8 @@ class LLM:
         eagle_head: str | Path | None = None,
         medusa_heads: str | Path | None = None,
         progress: bool = True,
+        prefix_cache: bool = True,
+        kv_cache_memory: int | str | None = None,
         **spec: Any,
     ) -> None:
         """``spec``: any ``SpecConfig`` field (``method``: by default ``combined`` with a draft
@@ -75,7 +78,12 @@ class LLM:
         GGUF, every catalog model) runs the GGUF's quantized weights as shipped through integer
         kernels, activations quantized per row; "none" (the default otherwise) runs float weights
         dequantized once; "int8" gives float32 weights per-row int8. Each is a slightly different
-        model; every method is exact with respect to the one chosen, which ``method="none"`` runs."""
+        model; every method is exact with respect to the one chosen, which ``method="none"`` runs.
+        ``prefix_cache``: keep finished requests' KV caches, so a prompt that starts like an
+        earlier one (the next turn of a conversation) prefills only the rest; the output is
+        bitwise the same either way. ``kv_cache_memory``: bytes (or a size like "2GiB") all
+        requests' KV caches may take, running and kept; by default a quarter of the machine's
+        memory (``models/prefix_cache.py``)."""
         unknown = sorted(set(spec) - {f.name for f in dataclasses.fields(SpecConfig)})
         if unknown:
             raise InvalidConfigError(f"LLM() got unknown setting(s) {', '.join(unknown)}; the speculative ones are "
@@ -104,7 +112,9 @@ class LLM:
             log.warning(f"specdecode: running {model!r} dequantized to float32 ({exc})")
             self.quantize = None
             self.target = Decoder.from_dir(path, dtype)
-        self.engine = Engine(self.target, self.tokenizer, max_seq_len)
+        memory = parse_memory(kv_cache_memory) if kv_cache_memory is not None else None
+        self.engine = Engine(self.target, self.tokenizer, max_seq_len, prefix_cache, memory)
+        self.draft_prefixes: PrefixCache | None = None  # the draft model's, beside the engine's
         self.draft_model: Decoder | None = None
         self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary
         if draft is not None:
@@ -116,6 +126,8 @@ class LLM:
             if self.draft_tokenizer is None:  # the target's ids: its head may keep the frequent ones only
                 self.draft_model = restricted_draft(self.draft_model, self.spec.draft_vocab, DEFAULT_DRAFT_VOCAB,
                                                     self.tokenizer)
+                if prefix_cache:
+                    self.draft_prefixes = companion(self.engine.caches, self.draft_model.new_cache)
             else:
                 log.warning(f"specdecode: draft {draft!r} has another vocabulary than {model!r}: its drafts are "
                             "translated through text (cross-vocabulary mode; the output is still exact)")
@@ -129,7 +141,15 @@ class LLM:
         self.resources = DraftResources(self.spec, self.target, self.tokenizer, self.draft_model,
                                         self.draft_tokenizer, draft, self.datastore, self.suffix_history,
                                         lambda: self.self_skip, self.eagle_head, self.medusa_heads,
-                                        quantize_heads=draft_quantize not in (None, "none"))
+                                        quantize_heads=draft_quantize not in (None, "none"),
+                                        draft_prefixes=self.draft_prefixes)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every kept prefix (the target's and the draft model's): the next requests start
+        cold, as a benchmark's conversations each should."""
+        self.engine.caches.clear()
+        if self.draft_prefixes is not None:
+            self.draft_prefixes.clear()
 
     def _foreign_tokenizer(self, draft: str, draft_path: Path) -> Tokenizer | None:
         """The draft's tokenizer when its drafts must be translated through text (another

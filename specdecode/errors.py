@@ -52,6 +52,11 @@ class ServerBusyError(SpecDecodeError):
     """The server's wait queue is full; the client should retry later (HTTP 429)."""
 
 
+class KVCacheFullError(SpecDecodeError):
+    """A request's KV cache does not fit the KV memory budget (``kv_cache_memory``) beside the
+    running requests' caches (HTTP 503: retry later, or raise the budget)."""
+
+
 class DatastoreError(SpecDecodeError):
     """A retrieval datastore that is missing, unreadable, built for another tokenizer, or cannot be
     written (or would overwrite an existing store without ``--force``)."""

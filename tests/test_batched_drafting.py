@@ -169,9 +169,9 @@ def _log_calls(monkeypatch, llm: LLM) -> list[tuple[str, int]]:
             calls.append(("draft", len(segments)))
         return d_batch(segments, last_only, trees, captures)
 
-    def verify(segments, last_only=False, trees=None, captures=None):
+    def verify(segments, last_only=False, trees=None, captures=None, invariant=False):
         calls.append(("verify", len(segments)))
-        return t_batch(segments, last_only, trees, captures)
+        return t_batch(segments, last_only, trees, captures, invariant)
 
     monkeypatch.setattr(draft, "forward", draft_forward)
     monkeypatch.setattr(draft, "forward_batch", draft_batch_forward)

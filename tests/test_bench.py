@@ -65,6 +65,13 @@ def test_builtin_workloads_have_enough_distinct_prompts():
     assert len(limited) == 2 * len(WORKLOAD_NAMES)
 
 
+def test_the_agent_workload_is_conversations_that_all_leaves_out():
+    prompts = load_workloads(["agent"])
+    assert len(prompts) >= 3 and max(len(p.turns) for p in prompts) >= 10
+    assert all(p.category == "agent" and all(t.strip() for t in p.turns) for p in prompts)
+    assert parse_workload_names("code,agent") == ["code", "agent"] and "agent" not in parse_workload_names("all")
+
+
 def test_specbench_loader_single_and_multi_turn(tmp_path):
     path = tmp_path / "question.jsonl"
     lines = [
@@ -200,6 +207,13 @@ def test_multi_turn_sends_the_models_own_answer(tiny_pair, tmp_path):
     assert sorted((r["method"], r["turn"]) for r in rows) == [("ngram", 0), ("ngram", 1), ("none", 0), ("none", 1)]
     assert all(r["identical"] for r in rows)
     assert set(summary["per_category"]) == {"writing"}
+    # Every conversation starts cold; its second turn reuses at least its first turn's prompt.
+    turns = {(r["method"], r["turn"]): r for r in rows}
+    for method in ("none", "ngram"):
+        assert turns[method, 0]["cached_tokens"] == 0
+        assert turns[method, 1]["cached_tokens"] >= turns[method, 0]["prompt_tokens"]
+    assert [t["turn"] for t in summary["methods"]["none"]["by_turn"]] == [0, 1]
+    assert "## TTFT per turn" in (tmp_path / "out" / "summary.md").read_text()
 
     from specdecode.api import LLM
 
@@ -470,7 +484,8 @@ def test_bench_help_names_every_flag(capsys):
      "--dataset", "q.jsonl", "--limit", "3", "--max-tokens", "16", "--temperature", "0.7", "--seed", "9",
      "--peers", "hf,llamacpp,vllm", "--llamacpp-server", "/bin/ls", "--llamacpp-args", "-ngl 9 --spec-draft-n-max 16",
      "--vllm-python", "py", "--vllm-args", "--tensor-parallel-size 2", "--synthetic-acceptance", "0.9,0.5",
-     "--repeat", "2", "--dtype", "bfloat16", "--max-seq-len", "2048", "--endpoint-api", "completions",
+     "--repeat", "2", "--dtype", "bfloat16", "--max-seq-len", "2048", "--no-prefix-cache",
+     "--kv-cache-memory", "2GiB", "--endpoint-api", "completions",
      "--timeout", "12.5"],
     ["--workload", "chat", "-k", "3", "--endpoint", "http://127.0.0.1:1/v1", "--temperature", "1e-06"],
 ])

@@ -167,26 +167,29 @@ def test_a_long_prompt_runs_in_chunks_between_other_requests_decode_steps(llm, m
     calls: list[str] = []
     forward, forward_batch = target.forward, target.forward_batch
 
-    def logged_forward(tokens, cache, last_only=False, tree=None, capture=None):
+    def logged_forward(tokens, cache, last_only=False, tree=None, capture=None, invariant=False):
         calls.append(f"prefill{len(tokens)}" if last_only else "other")
-        return forward(tokens, cache, last_only, tree, capture)
+        return forward(tokens, cache, last_only, tree, capture, invariant)
 
-    def logged_batch(segments, last_only=False, trees=None, captures=None):
-        calls.append("decode")
-        return forward_batch(segments, last_only, trees, captures)
+    def logged_batch(segments, last_only=False, trees=None, captures=None, invariant=False):
+        calls.append("decode" if not invariant else "prefill-rows")
+        return forward_batch(segments, last_only, trees, captures, invariant)
 
     monkeypatch.setattr(target, "forward", logged_forward)
     monkeypatch.setattr(target, "forward_batch", logged_batch)
     short, long = [5, 6, 7], list(range(10, 74))  # 64 tokens: 8 chunks
     params = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
     solo = [llm.engine.generate(p, q) for p, q in zip((short, long), params)]
+    llm.engine.caches.clear()  # the long prompt must run whole, not resume from its solo run
     calls.clear()
     scheduler = Scheduler(llm, method="none", max_concurrency=4, max_queue=8)
 
     async def run():
-        first = asyncio.ensure_future(_collect(scheduler, short, params[0]))
-        await asyncio.sleep(0.05)  # the short request is decoding when the long one arrives
-        return await asyncio.gather(first, _collect(scheduler, long, params[1]))
+        events = aiter(scheduler.submit(short, params[0]))
+        first = await anext(events)  # the short request is decoding when the long one arrives
+        later = asyncio.ensure_future(_collect(scheduler, long, params[1]))
+        rest = [event async for event in events]
+        return ("".join(e.text for e in [first, *rest]), rest[-1].output), await later
 
     try:
         results = asyncio.run(run())
@@ -209,12 +212,13 @@ def test_a_request_cancelled_during_its_prefill_stops_at_the_next_chunk(llm, mon
     forward = target.forward
     scheduler = Scheduler(llm, method="none", max_concurrency=2, max_queue=2)
     holder = {}
+    llm.engine.caches.clear()  # the prompt runs whole, whatever earlier tests left cached
 
-    def logged_forward(tokens, cache, last_only=False, tree=None, capture=None):
+    def logged_forward(tokens, cache, last_only=False, tree=None, capture=None, invariant=False):
         chunks_run.append(len(tokens))
         if len(chunks_run) == 2:
             holder["job"].cancel()  # the client leaves while its prompt runs
-        return forward(tokens, cache, last_only, tree, capture)
+        return forward(tokens, cache, last_only, tree, capture, invariant)
 
     monkeypatch.setattr(target, "forward", logged_forward)
 

@@ -248,6 +248,51 @@ def test_16_concurrent_requests_equal_offline_and_metrics_add_up(live, client, o
     assert metric(after, "specdecode_num_requests_waiting") == 0
 
 
+def test_the_next_turn_reports_its_cached_prompt_tokens_and_the_prefix_cache_counters(live, client, offline):
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``, streamed or not, chat and
+    completions; vLLM's prefix cache counters, in prompt tokens, add up to the usages."""
+    before = live.metrics()
+    messages = [{"role": "user", "content": "prefix cache, turn one: def g(x):"}]
+    one = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    messages += [{"role": "assistant", "content": one.choices[0].message.content},
+                 {"role": "user", "content": "and turn two"}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    two = list(stream)[-1].usage
+    assert two.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+    text = "prefix cache, completions: class B:"
+    first = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=text + first.choices[0].text + " more", max_tokens=6,
+                                      temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    ref = offline.generate(text + first.choices[0].text + " more", greedy(6))[0]
+    assert again.choices[0].text == ref.text
+    after = live.metrics()
+    usages = [one.usage, two, first.usage, again.usage]
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    assert delta("specdecode_prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("specdecode_prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert ("specdecode_prefix_cache_evictions_total", frozenset()) in after
+
+
+def test_a_request_over_the_kv_cache_budget_is_a_503(tiny_pair):
+    llm = load(tiny_pair)
+    llm.engine.caches.budget = 4096  # less than one request's cache
+    scheduler = Scheduler(llm)
+    try:
+        with LiveServer(create_app(llm, scheduler, served_model_name=MODEL)) as server:
+            status, body = server.post(COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 3})
+            err = assert_openai_error(status, body, 503)
+            assert err["code"] == "kv_cache_full" and "--kv-cache-memory" in err["message"]
+            status, _ = server.post(COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 3})
+            assert status == 503  # refused again, not crashed
+    finally:
+        scheduler.close()
+
+
 def test_429_with_retry_after_when_saturated(tiny_pair):
     """One slot, no queue: while a long stream runs, the next request is refused, not queued."""
     llm = load(tiny_pair)

@@ -89,6 +89,7 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
                          f"| {_fmt(p['ttft_s'])} | {_fmt(_ms(p['tpot_s']), '.0f')} | {_fmt(p['identical_to_ours'])} "
                          f"| {agreeing} | {parted} | {settings} |")
     lines += _category_table(summary)
+    lines += _turn_table(summary)
     lines += _advice_lines(summary)
     lines += _failure_lines(summary)
     lines += [""] + [f"![{name}]({name})" for name in plots or []]
@@ -147,6 +148,29 @@ def _category_table(summary: dict[str, Any], key: str = "speedup_vs_none", again
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
     if key == "speedup_vs_none" and any("speedup_vs_llamacpp" in e for c in cats.values() for e in c.values()):
         lines += _category_table(summary, "speedup_vs_llamacpp", "llamacpp_target")
+    return lines
+
+
+def _turn_table(summary: dict[str, Any]) -> list[str]:
+    """Mean TTFT per conversation turn (and, for ours, prompt tokens reused from the prefix
+    cache out of the prompt's); nothing for single-turn runs."""
+    entries = {**summary["methods"], **summary.get("peers", {})}
+    turns = {name: {t["turn"]: t for t in e["by_turn"]} for name, e in entries.items() if e.get("by_turn")}
+    if not turns:
+        return []
+    names = list(turns)
+    lines = ["", "## TTFT per turn, seconds (prompt tokens from the prefix cache / prompt tokens)", "",
+             "| turn | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for turn in sorted({t for by in turns.values() for t in by}):
+        cells = []
+        for name in names:
+            t = turns[name].get(turn)
+            if t is None:
+                cells.append("-")
+                continue
+            reused = t.get("cached_tokens")
+            cells.append(_fmt(t["ttft_s"]) + (f" ({reused:.0f}/{t['prompt_tokens']:.0f})" if reused is not None else ""))
+        lines.append(f"| {turn + 1} | " + " | ".join(cells) + " |")
     return lines
 
 

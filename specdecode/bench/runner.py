@@ -206,12 +206,14 @@ def run_benchmark(
     on_row: RowSink | None = None,
     progress: bool = True,
     detached: Sequence[Detached] = (),
+    fresh: Callable[[], None] | None = None,
 ) -> BenchResult:
     """Warm up, then for each prompt, each repeat, each contestant in order: converse and record;
     then each ``detached`` contestant alone, on every prompt and repeat.
 
     ``render`` turns a message list into the contestants' prompt (for our engine: the chat
-    template's token ids).
+    template's token ids). ``fresh`` forgets our engine's cached prefixes; it runs before every
+    conversation, so each starts cold and later turns reuse only their own conversation's.
     """
     from tqdm import tqdm
 
@@ -234,6 +236,8 @@ def run_benchmark(
             for rep in range(repeat):
                 for contestant in contestants:
                     bar.set_postfix_str(f"{prompt.id} {contestant.name}", refresh=False)
+                    if fresh is not None:
+                        fresh()
                     outputs = converse(contestant.generate, prompt, prompt_params, render)
                     if contestant.name == BASELINE and contestant.kind == "ours":
                         references[index, rep] = outputs
@@ -368,7 +372,8 @@ def make_row(prompt: Prompt, turn: int, contestant: Contestant, rep: int, out: G
     return {
         "prompt_id": prompt.id, "category": prompt.category, "turn": turn, "repeat": rep,
         "method": contestant.name, "base_method": contestant.method, "k": contestant.k, "kind": contestant.kind,
-        "prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+        "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens if ours else None,
+        "completion_tokens": s.completion_tokens,
         "prefill_s": s.prefill_s if ours else None, "ttft_s": s.ttft_s if s.ttft_s > 0 else None,
         "decode_s": s.total_s - s.ttft_s if s.ttft_s > 0 else None, "total_s": s.total_s,
         "tokens_per_s": s.tokens_per_s,

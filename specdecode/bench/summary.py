@@ -100,6 +100,7 @@ def _aggregate(rows: Sequence[Row], target_step_s: float | None) -> dict[str, An
         "mean_acceptance_length": None, "acceptance_rate": None, "acceptance_by_position": [],
         "identical_to_none": all(identity) if identity else None,
         "mismatches": sum(1 for i in identity if not i),
+        "by_turn": _by_turn(rows),
     }
     if first["kind"] == "ours":
         entry.update(_acceptance(rows) if speculative else {"mean_acceptance_length": 1.0})
@@ -113,6 +114,22 @@ def _aggregate(rows: Sequence[Row], target_step_s: float | None) -> dict[str, An
     elif first.get("drafts") is not None:  # a peer that reports its drafts (vLLM)
         entry.update(_acceptance(rows))
     return entry
+
+
+def _by_turn(rows: Sequence[Row]) -> list[dict[str, Any]] | None:
+    """Per turn of multi-turn conversations: mean TTFT, prompt tokens and (ours) prompt tokens
+    taken from the prefix cache; None when every row is a first turn."""
+    turns = sorted({r["turn"] for r in rows})
+    if turns == [0]:
+        return None
+    out = []
+    for turn in turns:
+        at = [r for r in rows if r["turn"] == turn]
+        cached = [r["cached_tokens"] for r in at if r.get("cached_tokens") is not None]
+        out.append({"turn": turn, "runs": len(at), "ttft_s": _mean(r["ttft_s"] for r in at if r["ttft_s"] is not None),
+                    "prompt_tokens": _mean(r["prompt_tokens"] for r in at),
+                    "cached_tokens": _mean(cached) if cached else None})
+    return out
 
 
 def _time_split(rows: Sequence[Row], total: float) -> dict[str, float] | None:

@@ -23,17 +23,23 @@ class Prompt:
     turns: tuple[str, ...]
 
 
-def _registry() -> dict[str, tuple[str, ...]]:
-    """Name -> prompts; imported lazily so the CLI's start-up does not load prompt text."""
+def _registry() -> dict[str, tuple[str | tuple[str, ...], ...]]:
+    """Name -> prompts (a text, or a conversation's user turns); imported lazily so the CLI's
+    start-up does not load prompt text."""
+    from specdecode.bench.prompts_agent import AGENT
     from specdecode.bench.prompts_code import CODE, CODE_EDIT
     from specdecode.bench.prompts_other import MATH, TRANSLATION
     from specdecode.bench.prompts_text import CHAT, RAG, SUMMARIZATION
 
     return {"code": CODE, "code-edit": CODE_EDIT, "chat": CHAT, "summarization": SUMMARIZATION,
-            "rag": RAG, "math": MATH, "translation": TRANSLATION}
+            "rag": RAG, "math": MATH, "translation": TRANSLATION, "agent": AGENT}
 
 
+# Single-turn workloads; ``all`` names these.
 WORKLOAD_NAMES: tuple[str, ...] = ("code", "code-edit", "chat", "summarization", "rag", "math", "translation")
+# Conversations that grow turn by turn (a prefix cache's case), chosen by name only: their later
+# turns stand on thousands of tokens, which ``all`` should not add to a run unasked.
+MULTI_TURN_WORKLOADS: tuple[str, ...] = ("agent",)
 
 
 def parse_workload_names(text: str) -> list[str]:
@@ -45,9 +51,10 @@ def parse_workload_names(text: str) -> list[str]:
             continue
         expanded = list(WORKLOAD_NAMES) if name == "all" else [name]
         for item in expanded:
-            if item not in WORKLOAD_NAMES:
+            if item not in WORKLOAD_NAMES + MULTI_TURN_WORKLOADS:
                 raise InvalidConfigError(
-                    f"unknown workload {item!r}; choose from {', '.join(WORKLOAD_NAMES)} or all"
+                    f"unknown workload {item!r}; choose from "
+                    f"{', '.join(WORKLOAD_NAMES + MULTI_TURN_WORKLOADS)} or all"
                 )
             if item not in names:
                 names.append(item)
@@ -63,7 +70,8 @@ def load_workloads(names: Sequence[str]) -> list[Prompt]:
     for name in names:
         if name not in registry:
             raise InvalidConfigError(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)} or all")
-        prompts.extend(Prompt(f"{name}/{i}", name, (text,)) for i, text in enumerate(registry[name]))
+        prompts.extend(Prompt(f"{name}/{i}", name, text if isinstance(text, tuple) else (text,))
+                       for i, text in enumerate(registry[name]))
     return prompts
 
 

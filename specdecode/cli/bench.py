@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli.options import (add_draft_options, add_method_options, add_quantize_option, command_line,
+from specdecode.cli.options import (add_draft_options, add_method_options, add_prefix_cache_options,
+                                    add_quantize_option, command_line,
                                     method_options)
 from specdecode.config import (DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS, DTYPES)
 from specdecode.params import SamplingParams
@@ -80,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_method_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
-                                        "summarization, rag, math, translation, or all")
+                                        "summarization, rag, math, translation, or all of those; agent "
+                                        "(coding sessions growing turn by turn, TTFT reported per turn) "
+                                        "by name only")
     src.add_argument("--dataset", type=Path,
                      help="Spec-Bench question.jsonl: one {question_id, category, turns} object a line")
     p.add_argument("--limit", type=int, default=None,
@@ -123,6 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output folder (default: bench-results/<timestamp>/)")
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="compute dtype (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="context length to allocate (default: %(default)s)")
+    add_prefix_cache_options(p)
     p.add_argument("--endpoint", default=None, metavar="URL",
                    help="benchmark an OpenAI-compatible server at URL instead of local models "
                         "(streaming TTFT, TPOT, tokens/s)")
@@ -295,7 +299,7 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
         vllm_python = find_vllm_python(args.vllm_python)
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
               draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
-              quantize=args.quantize,
+              quantize=args.quantize, prefix_cache=args.prefix_cache, kv_cache_memory=args.kv_cache_memory,
               synthetic_acceptance=plan.synthetic, **method_options(args, [r.method for r in plan.runs]))
     args.quantize = llm.quantize or "none"  # what ran: reports and the reproducing command name it
     first_ids = _check_lengths(llm, plan)
@@ -311,7 +315,8 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
         with ResultsWriter(out / RESULTS_FILE) as sink:
             result = run_benchmark(ours + peers, plan.prompts, plan.params,
                                    llm.chat_prompt_ids, args.repeat, step_timer=target_step_timer(llm, first_ids),
-                                   on_row=sink, progress=not args.no_progress, detached=detached)
+                                   on_row=sink, progress=not args.no_progress, detached=detached,
+                                   fresh=llm.clear_prefix_cache)
     meta = _meta(args, plan, model=llm.model_name, draft=draft, dtype=args.dtype)
     summary = summarize(result.rows, meta, target_step_s=result.target_step_s, peak_rss_mb=result.peak_rss_mb,
                         failures=result.failures, peer_settings=peer_settings)

@@ -49,6 +49,29 @@ def add_quantize_option(p: argparse.ArgumentParser) -> None:
                         "and every method is exact with respect to the one chosen (what --method none runs)")
 
 
+def add_prefix_cache_options(p: argparse.ArgumentParser) -> None:
+    """``--no-prefix-cache`` and ``--kv-cache-memory`` (serve, bench)."""
+    p.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache",
+                   help="prefill every prompt whole: keep no request's KV cache for later prompts that start "
+                        "the same way (the cache is on by default; output is bitwise the same either way)")
+    p.add_argument("--kv-cache-memory", type=kv_memory_arg, default=None, metavar="SIZE",
+                   help="memory all requests' KV caches may take, running and kept for reuse, e.g. 2GiB or "
+                        "512MiB; least recently used kept caches are evicted first, and a request that still "
+                        "does not fit is refused (HTTP 503) rather than crash the process (default: a quarter "
+                        "of this machine's memory, leaving the rest to the weights, the OS and other work)")
+
+
+def kv_memory_arg(text: str) -> int:
+    """A ``--kv-cache-memory`` value in bytes, or an argparse error naming the forms accepted."""
+    from specdecode.models.prefix_cache import parse_memory
+    from specdecode.errors import InvalidConfigError
+
+    try:
+        return parse_memory(text)
+    except InvalidConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def draft_vocab_arg(text: str) -> int | None:
     """``--draft-vocab``: "auto" -> None (the default size), "full" -> 0 (the whole head), else N >= 0."""
     word = text.strip().lower()

@@ -12,6 +12,7 @@ import threading
 import time
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
+                                    add_prefix_cache_options,
                                     add_quantize_option, chosen_method, method_options)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.errors import InvalidConfigError
@@ -51,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait beyond those; more get HTTP 429 (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help="context length to allocate: prompt plus new tokens (default: %(default)s)")
+    add_prefix_cache_options(p)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; larger get HTTP 413 (default: %(default)s)")
     p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft=args.draft, method=method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
               draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
-              quantize=args.quantize,
+              quantize=args.quantize, prefix_cache=args.prefix_cache, kv_cache_memory=args.kv_cache_memory,
               **method_options(args, [method]))
     scheduler = Scheduler(llm, method=method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue, k_by_load=parse_k_by_load(args.k_by_load))

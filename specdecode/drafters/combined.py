@@ -53,3 +53,4 @@ class CombinedDrafter(Drafter):
 
     def finish(self, seq: SequenceState) -> None:
         self.copy.finish(seq)  # the request joins the history later requests copy from
+        self.draft.finish(seq)

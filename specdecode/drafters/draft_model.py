@@ -10,7 +10,11 @@ if all before it are accepted.
 The draft keeps its own KV cache. It caches every committed token it has been fed; at each
 ``propose`` it first feeds the committed tokens it has not seen (the last token, and after a fully
 accepted draft also the last draft token) in one forward, then drafts one token per forward.
-Rejected drafts are rolled back with ``cache.trim``.
+Rejected drafts are rolled back with ``cache.trim``. With a prefix cache for the draft model
+(``prefixes``, ``models/prefix_cache.py``), a request starts from a copy of the longest cached
+prefix of its prompt, and a finished request leaves a copy of its cache there, so the next turn of
+a conversation catches up on the new tokens only. The draft's keys and values never change the
+output, only which drafts are proposed.
 
 A draft whose LM head is restricted to a subset of the vocabulary (``Decoder.restrict_vocabulary``)
 drafts from that subset: its argmax, or a sample from its distribution renormalised over the
@@ -34,6 +38,7 @@ from torch import Tensor
 from specdecode.drafters.base import (CATCH_UP_TOKENS, Drafter, Drafting, ModelCall, pick_from_subvocabulary,
                                       run_alone)
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
+from specdecode.models.prefix_cache import PrefixCache
 from specdecode.errors import VocabularyMismatchError
 from specdecode.models.decoder import Decoder
 from specdecode.sample.grammar import apply_mask
@@ -46,7 +51,8 @@ class DraftModelDrafter(Drafter):
     draft_cost_prior: ClassVar[float] = 0.3  # an int4 0.5B draft's step against the 1.5B target's (0.24 on Zen 4)
     stops_by_confidence: ClassVar[bool] = True
 
-    def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int, confidence: float = 0.0) -> None:
+    def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int, confidence: float = 0.0,
+                 prefixes: PrefixCache | None = None) -> None:
         # The draft's full vocabulary, even when its head computes only part of it.
         if draft.config.vocab_size != target_vocab_size:
             raise VocabularyMismatchError(
@@ -58,10 +64,15 @@ class DraftModelDrafter(Drafter):
         self.confidence = confidence
         self.cache = draft.new_cache(capacity)
         self._cached = 0  # committed tokens held in the draft cache
+        self.prefixes = prefixes
 
     def begin(self, seq: SequenceState) -> None:
         self.cache.reset()
-        self._cached = 0
+        self._cached = 0 if self.prefixes is None else self.prefixes.restore(seq.token_ids, self.cache)
+
+    def finish(self, seq: SequenceState) -> None:
+        if self.prefixes is not None:  # slots past _cached may hold drafts of the last step
+            self.prefixes.keep_copy(self.cache, seq.token_ids[: self._cached])
 
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
         return run_alone(self.drafting(seq, k))

@@ -16,6 +16,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.combined import CombinedDrafter
 from specdecode.drafters.cross_vocab import CrossVocabDrafter
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.models.prefix_cache import PrefixCache
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.lookahead import LookaheadDrafter
 from specdecode.drafters.medusa import MedusaDrafter
@@ -51,6 +52,7 @@ class DraftResources:
     eagle_head: Eagle3Head | None = None  # a trained EAGLE-3 head for this target
     medusa_heads: MedusaHeads | None = None  # trained Medusa heads for this target
     quantize_heads: bool = True  # heads draft in 4 bits (draft_heads.draft_copy); False with --draft-quantize none
+    draft_prefixes: PrefixCache | None = None  # the draft model's prefix cache (same vocabulary only)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def _draft_model(r: DraftResources, capacity: int) -> Drafter:
     """The draft model drafting token by token, through text when its vocabulary differs."""
     if r.draft_tokenizer is not None:
         return CrossVocabDrafter(r.draft_model, r.draft_tokenizer, r.tokenizer, capacity, r.spec.draft_confidence)
-    return DraftModelDrafter(r.draft_model, r.target.config.vocab_size, capacity, r.spec.draft_confidence)
+    return DraftModelDrafter(r.draft_model, r.target.config.vocab_size, capacity, r.spec.draft_confidence,
+                             r.draft_prefixes)
 
 
 def _tree(r: DraftResources, capacity: int) -> Drafter:

@@ -77,6 +77,9 @@ class TreeDrafter(Drafter):
         self.draft.begin(seq)
         self.ngram.begin(seq)
 
+    def finish(self, seq: SequenceState) -> None:
+        self.draft.finish(seq)
+
     def propose(self, seq: SequenceState, k: int) -> DraftProposal:
         return run_alone(self.drafting(seq, k))
 

@@ -11,7 +11,9 @@ step's measured costs to the policy. The target's kernels are batch-invariant, s
 gets exactly the tokens it would get alone.
 
 A request that fails (a bad grammar mid-way, NaN logits) fails alone; a failed shared forward
-fails the requests in it. A cancelled request leaves at the next step, its cache freed.
+fails the requests in it. A cancelled request leaves at the next step. A request that leaves
+hands its cache back to the prefix cache (``models/prefix_cache.py``), which keeps it for later
+requests, or frees it when the request failed (a failed forward may leave it half written).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from specdecode.engine.costs import RequestOutcome, StepTimes
 from specdecode.engine.drafting import DraftWork, draft_all
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.engine.policy import DraftRequest, SpeculationPolicy
+from specdecode.models.prefix_cache import PrefixCache
 from specdecode.drafters.base import DraftSource
 from specdecode.errors import DamagedCacheError
 from specdecode.models.decoder import Decoder
@@ -68,10 +71,12 @@ class StepOutcome:
 class Batch:
     """Requests advanced together, one target forward per step."""
 
-    def __init__(self, target: Decoder, policy: SpeculationPolicy, cap: Callable[[int], int | None] | None = None) -> None:
+    def __init__(self, target: Decoder, policy: SpeculationPolicy, cap: Callable[[int], int | None] | None = None,
+                 caches: PrefixCache | None = None) -> None:
         """``cap``: the most drafts per request for a number of running requests (a server's
-        ``--k-by-load`` table), over whatever the policy chooses."""
-        self.target, self.policy, self.cap = target, policy, cap
+        ``--k-by-load`` table), over whatever the policy chooses. ``caches``: where requests'
+        caches go back when they leave (caches not taken from it are left alone)."""
+        self.target, self.policy, self.cap, self.caches = target, policy, cap, caches
         self.members: list[Member] = []
         self.last_k = 0  # the most drafts any request was allowed in the last step (a server gauge)
 
@@ -108,11 +113,31 @@ class Batch:
         if m in self.members:
             self.members.remove(m)
             out.left.append(m)
+            self._hand_back(m, kept=error is None)
+
+    def drop_all(self, kept: bool = False) -> list[Member]:
+        """Remove every request without an event (the caller ends them). Their caches go back to
+        the prefix cache when ``kept`` (they are whole between steps), else are freed."""
+        members, self.members = self.members, []
+        for m in members:
+            self._hand_back(m, kept)
+        return members
+
+    def _hand_back(self, m: Member, kept: bool) -> None:
+        if self.caches is None:
+            return
+        if kept:
+            self.caches.release(m.gen.cache, m.gen.seq.token_ids)
+        else:
+            self.caches.discard(m.gen.cache)
 
     def _prefill_chunk(self, m: Member, out: StepOutcome) -> None:
         gen = m.gen
         try:
-            logits = self.target.forward(m.chunks.pop(0), gen.cache, last_only=True, capture=gen.capture)
+            # Invariant rows: a prompt's keys and values do not depend on how it was chunked or
+            # which earlier request computed its prefix, so prefix-cached prompts keep every bit.
+            logits = self.target.forward(m.chunks.pop(0), gen.cache, last_only=True, capture=gen.capture,
+                                         invariant=True)
             if m.chunks:
                 return
             out.events.append((m, gen.start(logits)))

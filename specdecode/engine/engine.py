@@ -1,18 +1,22 @@
-"""The engine: one target model, its KV cache, grammar compiler and speculation policy.
+"""The engine: one target model, its prefix cache, grammar compiler and speculation policy.
 
 A request runs as a batch of one through the step loop (``batch.py``), the same loop a server's
-concurrent requests share, so solo and batched requests decode, draft and choose K alike.
+concurrent requests share, so solo and batched requests decode, draft and choose K alike. Every
+request takes its KV cache from the engine's prefix cache (``models/prefix_cache.py``), which may
+hold the start of its prompt, and hands it back when it ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cached_property
 
 from specdecode.config import SpecConfig
 from specdecode.drafters.base import Drafter
 from specdecode.engine.batch import Batch
 from specdecode.engine.generation import Generation, GenerationOutput, StreamEvent
 from specdecode.engine.policy import CostModel, SpeculationPolicy
+from specdecode.models.prefix_cache import PrefixCache, default_memory
 from specdecode.errors import PromptTooLongError
 from specdecode.models.cache import KVCache
 from specdecode.models.decoder import Decoder
@@ -24,19 +28,29 @@ PLAIN = SpecConfig()  # the default settings; with no drafter, decoding is plain
 
 
 class Engine:
-    """Runs requests one at a time against one target model, reusing one preallocated KV cache.
+    """Runs requests against one target model, their KV caches taken from one prefix cache.
 
     ``policy``: the speculation policy, one per engine so what it measures (step costs, each
     method's acceptance) carries over from request to request; a server's batch shares it.
+    ``prefix_cache``: whether finished requests' caches are kept for later prompts that start
+    alike; ``kv_cache_memory``: the bytes all requests' caches may take, running and kept
+    (default: ``prefix_cache.default_memory()``, a share of the machine's memory).
     """
 
-    def __init__(self, target: Decoder, tokenizer: Tokenizer, max_seq_len: int) -> None:
+    def __init__(self, target: Decoder, tokenizer: Tokenizer, max_seq_len: int, prefix_cache: bool = True,
+                 kv_cache_memory: int | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.max_seq_len = min(max_seq_len, target.max_context)
-        self.cache = target.new_cache(self.max_seq_len)
+        self.caches = PrefixCache(target.new_cache, kv_cache_memory or default_memory(), enabled=prefix_cache)
         self.grammars = GrammarCompiler(tokenizer, target.config.vocab_size)
         self.policy: SpeculationPolicy = CostModel()
+
+    @cached_property
+    def cache(self) -> KVCache:
+        """A scratch cache of the whole context for tools that time raw forwards (allocated on
+        first use, outside the budget); requests never use it."""
+        return self.target.new_cache(self.max_seq_len)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -49,26 +63,41 @@ class Engine:
 
     def begin(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
               spec: SpecConfig = PLAIN, cache: KVCache | None = None) -> Generation:
-        """A checked new request on ``cache`` (default: the engine's own). ``drafter`` None is
-        plain decoding; ``spec`` gives the draft length (K, and whether the policy may choose less:
-        ``policy.py``); its method was already used to build ``drafter``."""
+        """A checked new request on ``cache`` (default: one from the prefix cache, which may hold
+        the start of the prompt; it raises ``KVCacheFullError`` when the budget is spent).
+        ``drafter`` None is plain decoding; ``spec`` gives the draft length (K, and whether the
+        policy may choose less: ``policy.py``); its method was already used to build ``drafter``.
+
+        A drafter that reads the target's hidden states of every prompt token (an EAGLE head)
+        gets a full prefill: a cached prefix carries keys and values, not hidden states."""
         self.check_prompt(prompt_ids)
         grammar = None if params.constraint is None else self.grammars.matcher(params.constraint)
-        return Generation(prompt_ids, params, drafter, spec, self.tokenizer,
-                          cache if cache is not None else self.cache, self.max_seq_len, grammar)
+        if cache is not None:
+            return Generation(prompt_ids, params, drafter, spec, self.tokenizer, cache, self.max_seq_len, grammar)
+        reuse = drafter is None or not drafter.needs_hidden_states
+        lease = self.caches.take(prompt_ids, min(self.max_seq_len, len(prompt_ids) + params.max_tokens), reuse)
+        try:
+            return Generation(prompt_ids, params, drafter, spec, self.tokenizer, lease.cache, self.max_seq_len,
+                              grammar, lease.cached)
+        except BaseException:
+            self.caches.discard(lease.cache)
+            raise
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                spec: SpecConfig = PLAIN) -> Iterator[StreamEvent]:
         """Generate for one prompt, yielding each step's newly final text (arguments as ``begin``):
         a batch of one, through the same step loop and policy as a server's requests."""
-        batch = Batch(self.target, self.policy)
+        batch = Batch(self.target, self.policy, caches=self.caches)
         batch.add(self.begin(prompt_ids, params, drafter, spec))
-        while len(batch):
-            outcome = batch.step()
-            for _, event in outcome.events:
-                yield event
-            for _, error in outcome.failed:
-                raise error
+        try:
+            while len(batch):
+                outcome = batch.step()
+                for _, event in outcome.events:
+                    yield event
+                for _, error in outcome.failed:
+                    raise error
+        finally:  # the caller stopped early: the request's cache must not stay counted as running
+            batch.drop_all(kept=True)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                  spec: SpecConfig = PLAIN) -> GenerationOutput:

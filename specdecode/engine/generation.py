@@ -70,10 +70,16 @@ class Generation:
     """
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, spec: SpecConfig,
-                 tokenizer: Tokenizer, cache: KVCache, max_seq_len: int, grammar: TokenGrammar | None = None) -> None:
+                 tokenizer: Tokenizer, cache: KVCache, max_seq_len: int, grammar: TokenGrammar | None = None,
+                 cached: int = 0) -> None:
+        """``cached``: how many leading prompt tokens ``cache`` already holds (a prefix cache
+        hit, ``models/prefix_cache.py``); the prefill runs the rest."""
         self.started = time.perf_counter()
         self.cache, self.drafter, self.max_seq_len = cache, drafter, max_seq_len
-        self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+        if not 0 <= cached < len(prompt_ids):
+            raise ValueError(f"{cached} cached tokens of a {len(prompt_ids)}-token prompt: at least one must run")
+        self.cached = cached
+        self.stats = RequestStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
         seed = params.seed if params.seed is not None else torch.seed()
         keys = None if params.greedy else RaceKeys(seed)  # sampled tokens: races keyed by position
         self.seq = SequenceState(list(prompt_ids), len(prompt_ids), params, torch.Generator().manual_seed(seed),
@@ -100,21 +106,22 @@ class Generation:
         self.prediction = (Prediction(tokenizer.encode(predicted) if isinstance(predicted, str) else list(predicted))
                            if predicted else None)
         self.foreign_step = False  # this step's drafts came from the prediction, not the drafter
-        cache.reset()
+        cache.length = cached
 
     @property
     def finished(self) -> bool:
         return self.stops.finished
 
     def prefill_chunks(self) -> list[Tensor]:
-        """The prompt in forwards of at most ``PREFILL_CHUNK`` tokens, to run in order.
+        """The prompt's tokens after the cached ones, in forwards of at most ``PREFILL_CHUNK``
+        tokens, to run in order.
 
-        Every path (the engine loop, the server) prefills in these same chunks, so a prompt gets
-        the same bits wherever it runs; and the server can run other requests' decode steps, or
+        The step loop runs them on the target's row-invariant kernels, so where the chunks start
+        and end never changes a bit; chunking lets a server run other requests' decode steps, or
         notice a cancelled request, between one chunk and the next.
         """
         ids = self.seq.token_ids
-        return [torch.tensor(ids[s : s + PREFILL_CHUNK]) for s in range(0, len(ids), PREFILL_CHUNK)]
+        return [torch.tensor(ids[s : s + PREFILL_CHUNK]) for s in range(self.cached, len(ids), PREFILL_CHUNK)]
 
     def start(self, logits: Tensor) -> StreamEvent:
         """Take the prefill's last-row logits [1, V]: pick the first token, start the drafter."""

@@ -13,6 +13,7 @@ from typing import Any
 @dataclass(slots=True)
 class RequestStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, tokens whose keys and values came from the prefix cache
     completion_tokens: int = 0
     drafts: int = 0  # verify steps that carried at least one draft token
     draft_tokens: int = 0

@@ -158,17 +158,19 @@ class Decoder:
         return self.config.max_position_embeddings
 
     def forward(self, tokens: Tensor, cache: KVCache, last_only: bool = False,
-                tree: Sequence[int] | None = None, capture: HiddenCapture | None = None) -> Tensor:
+                tree: Sequence[int] | None = None, capture: HiddenCapture | None = None,
+                invariant: bool = False) -> Tensor:
         """Run ``tokens`` [N] at the next N cache slots; return logits [N, V] (or [1, V]); V is
         ``len(vocab_ids)`` for a restricted vocabulary.
 
         Row i attends to every cached token and to rows 0..i (causal). The cache length grows by N.
         With ``tree`` (row i's parent row, -1 for row 0), row i attends to the cache and its own
         ancestors instead; see ``forward_batch``. ``capture`` receives the rows' hidden states.
+        ``invariant``: every row on the invariant kernels, however many (see ``forward_batch``).
         """
         fused = self.backend.fused
-        if fused is None or tree is not None or capture is not None:
-            return self.forward_batch([(tokens, cache)], last_only, [tree], [capture])[0]
+        if fused is None or tree is not None or capture is not None or invariant:
+            return self.forward_batch([(tokens, cache)], last_only, [tree], [capture], invariant)[0]
         # A long input (a prompt, a draft catching up) runs as consecutive chunks of the fused
         # forward's rows, cheaper per token than the weights' many-rows copy (an int4 draft's
         # prefill: docs/PERFORMANCE.md, `scripts/draft_step.py --quantize int4 --rows 150`).
@@ -181,7 +183,7 @@ class Decoder:
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[tuple[Tensor, KVCache]], last_only: bool = False,
                       trees: Sequence[Sequence[int] | None] | None = None,
-                      captures: Sequence[HiddenCapture | None] | None = None) -> list[Tensor]:
+                      captures: Sequence[HiddenCapture | None] | None = None, invariant: bool = False) -> list[Tensor]:
         """One forward for several sequences, each ``(tokens [N_i], its own cache)``.
 
         The rows of all sequences share every linear layer (one pass over the weights, which is
@@ -197,6 +199,10 @@ class Decoder:
         side buffers until ``cache.keep_rows`` keeps the accepted path.
 
         ``captures[j]``, when given, receives segment j's hidden states (see ``HiddenCapture``).
+
+        ``invariant``: a lone long segment (a prompt) stays on the invariant kernels too, so its
+        rows get the bits they would get in any other call: what lets a prefill resume after a
+        prefix an earlier request computed (``models/prefix_cache.py``).
         """
         cfg = self.config
         group = cfg.num_heads // cfg.num_kv_heads
@@ -209,9 +215,10 @@ class Decoder:
         else:
             positions = torch.cat([v.positions() for v in views])
             cos, sin = self.cos[positions], self.sin[positions]
-        # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path.
+        # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path
+        # (unless ``invariant``).
         # The decode rows of many sequences stay on the invariant kernel however many they are.
-        linear = self.backend.linear if len(segments) == 1 else self.backend.linear.rows
+        linear = self.backend.linear if len(segments) == 1 and not invariant else self.backend.linear.rows
         x = self.embed_tokens(tokens)  # [N, D]
         captures = list(captures or ())
         wanted = {i for c in captures if c is not None for i in c.layers}

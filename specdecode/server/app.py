@@ -72,7 +72,7 @@ def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
     names = {served, llm.model_name}
     method = scheduler.method or llm.spec.method
     k = scheduler.k or llm.spec.num_speculative_tokens
-    metrics = ServerMetrics(scheduler, served, method, k)
+    metrics = ServerMetrics(scheduler, served, method, k, llm.engine.caches)
     created = int(time.time())
 
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None,

@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from specdecode.errors import (DamagedCacheError, NonFiniteLogitsError, PromptTooLongError, ServerBusyError,
-                               SpecDecodeError)
+from specdecode.errors import (DamagedCacheError, KVCacheFullError, NonFiniteLogitsError, PromptTooLongError,
+                               ServerBusyError, SpecDecodeError)
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait; a step of the engine is well under this
 REPAIR_RETRY_S = 30  # what a 503 for damaged weights asks: a repack from the GGUF takes seconds
@@ -46,6 +46,9 @@ def from_spec_error(exc: SpecDecodeError) -> APIError:
     """Map a user error raised below the HTTP layer to its status."""
     if isinstance(exc, ServerBusyError):
         return APIError(429, str(exc), type="rate_limit_error", code="server_busy",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, KVCacheFullError):  # memory, not the request rate: retry when requests end
+        return APIError(503, str(exc), type="server_error", code="kv_cache_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), code="context_length_exceeded")

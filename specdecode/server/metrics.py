@@ -4,7 +4,10 @@ A per-app ``CollectorRegistry`` (not prometheus-client's global one) lets tests 
 create many apps in one process without "duplicated timeseries" errors. Names follow vLLM's where
 one exists, with the ``specdecode_`` prefix; the speculative counters use the definitions of
 ``engine/stats.py``, so ``accepted_tokens_total / draft_tokens_total`` is the acceptance rate and
-``1 + accepted_tokens_total / drafts_total`` the mean acceptance length over all requests.
+``1 + accepted_tokens_total / drafts_total`` the mean acceptance length over all requests. The
+prefix cache's counters (vLLM's ``prefix_cache_queries`` and ``prefix_cache_hits``, in prompt
+tokens, and evictions) are read from the engine's prefix cache, so they count every request on
+the engine, the server's and direct ``LLM`` calls alike.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specdecode.engine.generation import GenerationOutput
+from specdecode.models.prefix_cache import PrefixCache
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -40,8 +45,10 @@ class Load(Protocol):
 class ServerMetrics:
     """Every metric ``GET /metrics`` exposes, and the calls that update them."""
 
-    def __init__(self, load: Load, model: str, method: str, k: int) -> None:
+    def __init__(self, load: Load, model: str, method: str, k: int, caches: PrefixCache | None = None) -> None:
         self.registry = r = CollectorRegistry()
+        if caches is not None:
+            r.register(_PrefixCacheCounters(caches))
         Gauge("specdecode_model_info", "The served model and speculative method (value 1).",
               ["model", "method", "k"], registry=r).labels(model, method, str(k)).set(1)
         self.requests = Counter("specdecode_requests", "HTTP requests by endpoint and status code "
@@ -102,3 +109,21 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCounters:
+    """The prefix cache's own counters, read when ``/metrics`` is scraped."""
+
+    def __init__(self, caches: PrefixCache) -> None:
+        self.caches = caches
+
+    def collect(self) -> list[Metric]:
+        c = self.caches
+        return [
+            CounterMetricFamily("specdecode_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                value=c.queries),
+            CounterMetricFamily("specdecode_prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
+                                "prefill skipped).", value=c.hits),
+            CounterMetricFamily("specdecode_prefix_cache_evictions", "Idle cached sequences evicted to make room "
+                                "under the KV cache memory budget.", value=c.evictions),
+        ]

@@ -36,6 +36,7 @@ from specdecode.server.schemas import (
     CompletionRequest,
     CompletionResponse,
     CompletionTokensDetails,
+    PromptTokensDetails,
     SpecDecodeStats,
     TokenLogprobOut,
     TopLogprob,
@@ -138,7 +139,8 @@ def usage(output: GenerationOutput) -> Usage:
     p, c, s = len(output.prompt_token_ids), len(output.token_ids), output.stats
     details = CompletionTokensDetails(accepted_prediction_tokens=s.prediction_accepted,
                                       rejected_prediction_tokens=s.prediction_rejected)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, completion_tokens_details=details)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, completion_tokens_details=details,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=s.cached_tokens))
 
 
 def completion_body(model: str, output: GenerationOutput, tokenizer: Tokenizer) -> dict[str, Any]:

@@ -12,9 +12,12 @@ is the engine's (``engine/batch.py``): this module is a thread, a queue and canc
 A new request's prompt runs in chunks (``engine.PREFILL_CHUNK`` tokens), one chunk per loop
 turn between the active requests' decode steps, so a long prompt delays the running streams by
 one chunk at a time, not by its whole prefill; a request cancelled while its prompt runs stops
-at the next chunk. A bounded wait queue turns overload into an immediate
+at the next chunk. Each request takes its KV cache from the engine's prefix cache and hands it
+back when it ends (``models/prefix_cache.py``): a prompt that starts like an earlier request's
+prefills only the rest; a request whose cache does not fit the memory budget fails with
+:class:`KVCacheFullError` (HTTP 503). A bounded wait queue turns overload into an immediate
 :class:`ServerBusyError` (HTTP 429) instead of unbounded latency. Cancelling a job (client
-disconnect) drops it at the next step, freeing its KV memory.
+disconnect) drops it at the next step, its cache kept for a retry.
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ class Scheduler(JobQueue):
 
     def _work(self) -> None:
         cap = None if self.k_by_load is None else self.k_by_load.cap
-        batch = Batch(self.llm.engine.target, self.llm.engine.policy, cap)
+        batch = Batch(self.llm.engine.target, self.llm.engine.policy, cap, self.llm.engine.caches)
         while True:
             with self._lock:
                 while not self._queue and not len(batch) and not self._closed:
@@ -188,10 +191,9 @@ class Scheduler(JobQueue):
             try:
                 outcome = batch.step()
             except Exception as exc:  # noqa: BLE001 - a bug: fail the requests in hand, keep serving
-                for member in list(batch.members):
+                for member in batch.drop_all():
                     member.tag._emit(exc)
                     self._release(member.tag)
-                batch.members.clear()
                 continue
             self.step_k = batch.last_k
             for member, event in outcome.events:
@@ -201,18 +203,18 @@ class Scheduler(JobQueue):
             for member in outcome.left:
                 self._release(member.tag)
         with self._lock:  # closed: end everything still here
-            left = [member.tag for member in batch.members]
+            left = [member.tag for member in batch.drop_all(kept=True)]
             for job in list(self._queue) + left + list(self._running):
                 self._release(job)
             self._queue.clear()
 
     def _begin(self, batch: Batch, job: Job) -> None:
-        """Admit ``job`` to ``batch`` with a cache and drafter of its own; its prompt runs there."""
+        """Admit ``job`` to ``batch`` with a cache (from the prefix cache, which may hold the start
+        of its prompt) and a drafter of its own; the rest of its prompt runs there."""
         try:
             engine, llm = self.llm.engine, self.llm
             capacity = min(engine.max_seq_len, len(job.prompt_ids) + job.params.max_tokens)
-            gen = engine.begin(job.prompt_ids, job.params, llm.new_drafter(self.spec.method, capacity), self.spec,
-                               engine.target.new_cache(capacity))
+            gen = engine.begin(job.prompt_ids, job.params, llm.new_drafter(self.spec.method, capacity), self.spec)
             batch.add(gen, job, job.cancelled.is_set)
         except Exception as exc:  # noqa: BLE001 - delivered to the request's handler, which maps it to HTTP
             job._emit(exc)

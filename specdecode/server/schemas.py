@@ -339,11 +339,16 @@ class CompletionTokensDetails(BaseModel):
     rejected_prediction_tokens: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose keys and values came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    completion_tokens_details: CompletionTokensDetails | None = None  # set when the request sent a prediction
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 class SpecDecodeStats(BaseModel):
