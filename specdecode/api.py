@@ -22,6 +22,7 @@ from specdecode.drafters.draft_vocab import restricted_draft
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine.engine import Engine
 from specdecode.engine.generation import GenerationOutput, StreamEvent
+from specdecode.models.watch import WATCH
 from specdecode.models.prefix_cache import PrefixCache, companion, parse_memory
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
@@ -115,6 +116,7 @@ class LLM:
         memory = parse_memory(kv_cache_memory) if kv_cache_memory is not None else None
         self.engine = Engine(self.target, self.tokenizer, max_seq_len, prefix_cache, memory)
         self.draft_prefixes: PrefixCache | None = None  # the draft model's, beside the engine's
+        WATCH.on_damage(self.clear_prefix_cache)  # kept prefixes computed from damaged weights go with them
         self.draft_model: Decoder | None = None
         self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary
         if draft is not None:

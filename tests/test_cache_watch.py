@@ -53,7 +53,9 @@ def test_damage_after_load_is_found_and_repaired_in_the_live_mapping(model) -> N
     planes = _planes(model)
     _damage(planes)
     assert not torch.equal(_logits(llm), logits)  # the running model reads the damaged bytes
+    assert len(llm.engine.caches)  # the request's kept prefix
     assert WATCH.verify_now() == [planes.resolve()]
+    assert not len(llm.engine.caches)  # computed from the damaged weights: forgotten
     assert checks.hash_file(planes) == checks.read_sidecar(planes)
     WATCH.check()  # repaired: decoding is allowed again
     assert torch.equal(_logits(llm), logits)  # without reloading: the tensors map the file

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ class CacheWatch:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self.found_damaged: list[Path] = []  # every file found damaged in this process, repaired or not
+        self._on_damage: list[weakref.WeakMethod] = []
 
     def watch(self, path: Path, rebuild: Callable[[Path], None]) -> None:
         """Hash ``path`` (a derived file the process has just mapped, with a sidecar record) soon,
@@ -68,6 +70,11 @@ class CacheWatch:
             self._lock.notify_all()
         if self.background:
             self._start()
+
+    def on_damage(self, forget: Callable[[], None]) -> None:
+        """Call the bound method ``forget`` when a file is found damaged: what was computed from
+        the damaged weights (kept prefix caches) must not outlive them. Held weakly."""
+        self._on_damage.append(weakref.WeakMethod(forget))
 
     def check(self) -> None:
         """Raise ``DamagedCacheError`` while a mapped file is known damaged (decoding would give
@@ -148,6 +155,9 @@ class CacheWatch:
                                  "record written with them); they are being rebuilt from the model's source, "
                                  "retry in a minute")
         log.error(f"specdecode: {name} does not match its recorded checksum; refusing requests while it is rebuilt")
+        for ref in self._on_damage:
+            if (forget := ref()) is not None:
+                forget()
         fresh = partial_path(w.path, "building")
         try:
             w.rebuild(fresh)
