@@ -47,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
     print("-" * len(header))
     for category, prompt in PROMPTS:
         ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}])
+        llm.clear_prefix_cache()  # every method prefills the prompt whole, as plain decoding did
         [base] = llm.generate(ids, params, method="none")
         for method in METHODS:
+            llm.clear_prefix_cache()
             out = base if method == "none" else llm.generate(ids, params, method=method)[0]
             s = out.stats
             same = out.token_ids == base.token_ids

@@ -107,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.compare:  # the first forward pages the weights in; keep that out of both timings
         llm.generate(ids, SamplingParams(max_tokens=2))
+    llm.clear_prefix_cache()  # each run prefills the prompt whole: their times compare
     [out] = llm.generate(ids, params)
+    llm.clear_prefix_cache()
     base = llm.generate(ids, params, method="none")[0] if args.compare else None
     if args.json:
         print(json.dumps(_report(out, base, llm.tokenizer)))
