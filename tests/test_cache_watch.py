@@ -15,7 +15,7 @@ from specdecode.cli import main
 from specdecode.errors import DamagedCacheError
 from specdecode.files import specdecode_home
 from specdecode.models import checks
-from specdecode.models.watch import WATCH, CacheWatch
+from specdecode.models.watch import NICE, WATCH, CacheWatch
 from specdecode.server.http_errors import from_spec_error
 from tests.gguf_blocks import write_model_gguf
 
@@ -100,7 +100,7 @@ def test_generate_fails_when_its_weights_were_damaged_at_the_same_size(model, ca
     assert checks.hash_file(planes) == checks.read_sidecar(planes)
 
 
-def test_the_background_watch_hashes_soon_at_the_lowest_priority(tmp_path) -> None:
+def test_the_background_watch_hashes_soon_at_a_low_priority(tmp_path) -> None:
     path = tmp_path / "derived.bin"
     path.write_bytes(os.urandom(1 << 16))
     checks.write_sidecar(path, checks.hash_file(path))
@@ -109,5 +109,5 @@ def test_the_background_watch_hashes_soon_at_the_lowest_priority(tmp_path) -> No
     watched = watch._files[path.resolve()]
     with watch._lock:
         assert watch._lock.wait_for(lambda: watched.checked_at is not None, timeout=60)
-    assert os.getpriority(os.PRIO_PROCESS, watch._thread.native_id) == 19
+    assert os.getpriority(os.PRIO_PROCESS, watch._thread.native_id) == NICE
     assert watch.found_damaged == []
