@@ -216,7 +216,7 @@ def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType
         try:
             return cpp_extension.load(
                 name=f"specdecode_{name}_{digest}",
-                sources=[str(source)],
+                sources=[str(_staged(source, build))],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
@@ -224,6 +224,19 @@ def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType
             )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the portable path
             return unavailable(f"building it failed ({str(exc).splitlines()[0][:200]})")
+
+
+def _staged(source: Path, build: Path) -> Path:
+    """``source`` and the headers beside it, copied into ``build`` (unchanged copies left as they
+    are): the copy is what compiles. ninja rebuilds when a source's path changes, so compiling the
+    checkout's own file would rebuild every kernel for every clone (minutes each time) although the
+    key says it is the same build. Call it holding the folder's lock."""
+    build.mkdir(parents=True, exist_ok=True)
+    for file in [source, *sorted(source.parent.glob("*.h"))]:
+        dest, data = build / file.name, file.read_bytes()
+        if not dest.is_file() or dest.read_bytes() != data:
+            dest.write_bytes(data)
+    return build / source.name
 
 
 def remove_stale_baton(build: Path) -> bool:
