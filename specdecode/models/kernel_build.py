@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -213,6 +214,12 @@ def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType
     with file_lock(build / ".specdecode.lock", f"the build of the {name} kernel") as locked:
         if locked and remove_stale_baton(build):
             log.warning(f"specdecode: removed {build / 'lock'}, left by a build that was killed")
+        built = build / f"specdecode_{name}_{digest}.so"
+        if built.is_file():  # the key covers what the library depends on: another venv may load it
+            try:
+                return _load_library(built)
+            except (ImportError, OSError):
+                pass  # damaged or half written: build it again
         try:
             return cpp_extension.load(
                 name=f"specdecode_{name}_{digest}",
@@ -224,6 +231,18 @@ def _build(source: Path, name: str, flags: list[str], unavailable) -> ModuleType
             )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the portable path
             return unavailable(f"building it failed ({str(exc).splitlines()[0][:200]})")
+
+
+def _load_library(path: Path) -> ModuleType:
+    """An extension module built earlier, imported without torch's ninja step: ninja rebuilds
+    whenever its build file changes, and that file names the venv's torch headers, so every new
+    venv (each fresh clone, each CI run) would recompile every kernel for minutes."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _staged(source: Path, build: Path) -> Path:
