@@ -1,6 +1,6 @@
 """Time the native GGUF kernel over every matrix of a model, per row count.
 
-    python scripts/gguf_rows.py [MODEL] [--rows 1,2,4,8,9,12,16] [--by-type] [--isa avx2,vnni] [--rounds N]
+    python scripts/gguf_rows.py [MODEL] [--rows 1,2,4,8,9,12,16] [--by-type | --by-input] [--isa avx2,vnni] [--rounds N]
                                 [--against OTHER.cpp] [--cpu-time]
 
 MODEL is a catalog name (default: the 1.5B target) or a .gguf file. A pass multiplies all its
@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--rows", default="1,2,4,8,9,12,16", help="row counts (default: %(default)s)")
     ap.add_argument("--by-type", action="store_true", help="one line per quantization type")
+    ap.add_argument("--by-input", action="store_true", help="one line per input width (a matrix's activations "
+                    "per row: ffn_down's 8960 outgrow L1 at a few rows, the others' 1536 do not)")
     ap.add_argument("--isa", default=None, help="kernel builds to compare, comma-separated "
                     f"(of {', '.join(kernel_build.GGUF_ISAS)}; default: the one models use here)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds; lines show medians (default: %(default)s)")
@@ -61,8 +63,9 @@ def main() -> None:
     groups: dict[str, list[GGUFWeight]] = {}
     for name, w in weights.items():
         if isinstance(w, GGUFWeight) and name != "model.embed_tokens.weight":
-            groups.setdefault(w.type_name if args.by_type else "all", []).append(w)
-    if "lm_head.weight" not in weights and not args.by_type:  # tied: the head reads the embedding
+            key = w.type_name if args.by_type else f"in {w.inp}" if args.by_input else "all"
+            groups.setdefault(key, []).append(w)
+    if "lm_head.weight" not in weights and not (args.by_type or args.by_input):  # tied: the head reads the embedding
         groups["all"].append(weights["model.embed_tokens.weight"])
     kernels = {isa: kernel_build.load_gguf(isa) for isa in isas}
     if args.against:
