@@ -6,6 +6,7 @@ that names the field, instead of deep inside the decode loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specdecode.drafters.lookahead import LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW
@@ -64,6 +65,12 @@ class SpecConfig:
     """At a fixed K (``adaptive=False``), a draft model stops drafting once its probability for
     the draft so far (the product of its token probabilities) falls below this; 0 never stops
     early. With ``adaptive``, the speculation policy sets this stop each step from costs."""
+    draft_temperature: float | None = None
+    """How a draft model drafts for a sampled request: None follows the request's own rule (it
+    races its own distribution with the keys the target's sample uses, ``sample/race.py``); 0
+    proposes its argmax (deterministic drafts, as the seed papers advise); t > 0 races its
+    distribution at temperature t. Greedy requests always get argmax drafts. Any choice is exact:
+    a sampled request's verification keeps exactly the target's sample whatever was drafted."""
     draft_vocab: int | None = None
     """A draft model's LM head computes only the logits of this many tokens, those the target
     writes most (the shipped ranking; exactness is unaffected): 0 is the whole head, None the
@@ -103,6 +110,9 @@ class SpecConfig:
             )
         if not 0.0 <= self.draft_confidence < 1.0:
             raise InvalidConfigError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
+        if self.draft_temperature is not None and not (math.isfinite(self.draft_temperature)
+                                                       and self.draft_temperature >= 0):
+            raise InvalidConfigError(f"draft_temperature must be >= 0 (0: argmax drafts), got {self.draft_temperature}")
         if self.draft_vocab is not None and self.draft_vocab < 0:
             raise InvalidConfigError(f"draft_vocab must be >= 0 (0: the whole head), got {self.draft_vocab}")
         if not 1 <= self.ngram_min <= self.ngram_max:

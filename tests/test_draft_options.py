@@ -8,7 +8,10 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.errors import InvalidConfigError
 from specdecode.models.decoder import Decoder
+from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.models.draft_quant import linear_int8_fbgemm, pack_int8
+from specdecode.sample.race import RaceKeys
+from specdecode.sequence import SequenceState
 
 PROMPTS = ["def f(x): return x + 1\ndef g(", "class A:\n    def __init__(self", "abc abc abc abd"]
 
@@ -69,3 +72,44 @@ def test_bad_draft_options(tiny_pair):
         LLM(model=str(target), draft=str(draft), draft_confidence=1.5, progress=False)
     with pytest.raises(InvalidConfigError):
         LLM(model=str(target), draft=str(draft), draft_quantize="int3", progress=False)
+
+
+@pytest.mark.parametrize("draft_temperature", [0.0, 0.5])
+def test_draft_temperature_keeps_the_seeded_sample(tiny_pair, draft_temperature):
+    """A sampled request keeps exactly the target's sample (its race keys decide each position),
+    so whatever the draft's own temperature, a seeded request gives plain sampling's tokens."""
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=256, progress=False,
+              draft_temperature=draft_temperature)
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=7)
+    for prompt in PROMPTS:
+        plain = llm.generate(prompt, params, method="none")[0].token_ids
+        for method in ("draft_model", "combined"):
+            out = llm.generate(prompt, params, method=method, num_speculative_tokens=4, adaptive=False)[0]
+            assert out.token_ids == plain, (draft_temperature, method, prompt)
+            assert out.stats.draft_tokens > 0
+
+
+def test_argmax_drafts_under_sampling(tiny_pair):
+    """draft_temperature=0: the draft proposes its argmax for a sampled request, as for a greedy one."""
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=256, progress=False, draft_temperature=0.0)
+    model = llm.draft_model
+    drafter = DraftModelDrafter(model, llm.target.config.vocab_size, 256, temperature=0.0)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    sampled = SamplingParams(max_tokens=30, temperature=1.0, seed=3)
+    seq = SequenceState(list(ids), len(ids), sampled, torch.Generator().manual_seed(3), None, RaceKeys(3))
+    drafter.begin(seq)
+    proposal = drafter.propose(seq, 5)
+    greedy_seq = SequenceState(list(ids), len(ids), SamplingParams(max_tokens=30), torch.Generator(), None, None)
+    reference = DraftModelDrafter(model, llm.target.config.vocab_size, 256)
+    reference.begin(greedy_seq)
+    assert proposal.tokens.tolist() == reference.propose(greedy_seq, 5).tokens.tolist()
+    assert proposal.probs is None  # point masses: what the rejection rule needs for argmax drafts
+
+
+def test_bad_draft_temperature(tiny_pair):
+    target, draft = tiny_pair
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(InvalidConfigError):
+            LLM(model=str(target), draft=str(draft), draft_temperature=bad, progress=False)

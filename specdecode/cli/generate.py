@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft=args.draft, method=method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, progress=not args.json,
               adaptive=not args.fixed_k, draft_quantize=args.draft_quantize,
-              draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab, quantize=args.quantize,
+              draft_confidence=args.draft_confidence, draft_temperature=args.draft_temperature,
+              draft_vocab=args.draft_vocab, quantize=args.quantize,
               **method_options(args, [method]))
     ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
     if not args.json and not args.compare:

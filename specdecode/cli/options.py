@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -86,6 +87,17 @@ def draft_vocab_arg(text: str) -> int | None:
     return size
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
     """How the draft model drafts: ``--draft-quantize``, ``--draft-confidence``, ``--draft-vocab``
     and (unless the command has its own K schedule) ``--fixed-k``."""
@@ -105,6 +117,10 @@ def add_draft_options(p: argparse.ArgumentParser, fixed_k: bool = True) -> None:
                         "(the --dtype; trained heads too, which draft in 4 bits otherwise); the output stays "
                         "exactly the target's either way "
                         "(default: %(default)s)")
+    p.add_argument("--draft-temperature", type=non_negative_float, default=None, metavar="T",
+                   help="how the draft model drafts for sampled requests (temperature > 0): 0 proposes its "
+                        "argmax, T > 0 samples at temperature T; by default it samples by the request's own "
+                        "settings. The output stays exactly the target's sample either way; only acceptance changes")
     p.add_argument("--draft-vocab", type=draft_vocab_arg, default=None, metavar="N",
                    help="draft model: its LM head computes the logits of only the N tokens the target writes most "
                         f"(a ranking shipped for the Qwen2.5 tokenizer); full (or 0) keeps the whole head; auto (the "

@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     method = chosen_method(args)
     llm = LLM(model=args.model, draft=args.draft, method=method, num_speculative_tokens=args.k,
               dtype=args.dtype, max_seq_len=args.max_seq_len, adaptive=not args.fixed_k,
-              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
+              draft_quantize=args.draft_quantize, draft_confidence=args.draft_confidence,
+              draft_temperature=args.draft_temperature, draft_vocab=args.draft_vocab,
               quantize=args.quantize, prefix_cache=args.prefix_cache, kv_cache_memory=args.kv_cache_memory,
               **method_options(args, [method]))
     scheduler = Scheduler(llm, method=method, k=args.k, max_concurrency=args.max_concurrency,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeAlias
 import torch
 from torch import Tensor
 
+from specdecode.params import SamplingParams
 from specdecode.sample.race import race
 from specdecode.sample.sampling import logits_to_probs, sample
 from specdecode.sequence import DraftProposal, SequenceState
@@ -98,8 +99,8 @@ def run_alone(drafting: Drafting) -> DraftProposal:
 
 
 def pick_from_subvocabulary(logits: Tensor, target_ids: Tensor, vocab_size: int, seq: SequenceState,
-                            need_prob: bool, argmax: bool | None = None,
-                            position: int | None = None) -> tuple[int, Tensor | None, float]:
+                            need_prob: bool, argmax: bool | None = None, position: int | None = None,
+                            params: SamplingParams | None = None) -> tuple[int, Tensor | None, float]:
     """One draft token from logits over a subset of the target vocabulary (a trained head's own
     vocabulary, or a draft model's restricted LM head), ``target_ids`` the target id of each
     entry: the argmax when ``argmax`` (default: the request is greedy), else a sample under the
@@ -108,14 +109,16 @@ def pick_from_subvocabulary(logits: Tensor, target_ids: Tensor, vocab_size: int,
     distribution (None for an argmax) and the token's probability (1.0 for an argmax unless
     ``need_prob``). Given the ``position`` the draft is for and the request's race keys, the
     sample is that position's race over the distribution (``sample/race.py``), which the target's
-    verification needs no distribution for (None is returned)."""
-    if seq.params.greedy if argmax is None else argmax:
+    verification needs no distribution for (None is returned). ``params``: the sampling rule to
+    draft by, if not the request's (a drafter's own temperature)."""
+    params = seq.params if params is None else params
+    if params.greedy if argmax is None else argmax:
         choice = int(logits.argmax())
         p_token = float(torch.softmax(logits, -1)[choice]) if need_prob else 1.0
         return int(target_ids[choice]), None, p_token
     full = torch.full((vocab_size,), -torch.inf)
     full[target_ids] = logits
-    probs = logits_to_probs(full[None], seq.params)
+    probs = logits_to_probs(full[None], params)
     if position is not None and seq.keys is not None:
         token = int(race(probs[0], seq.keys.at(position, vocab_size)))
         return token, None, float(probs[0, token])

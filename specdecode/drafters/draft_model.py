@@ -29,7 +29,7 @@ the draft's weights are read once per draft step rather than once per request.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -37,6 +37,7 @@ from torch import Tensor
 
 from specdecode.drafters.base import (CATCH_UP_TOKENS, Drafter, Drafting, ModelCall, pick_from_subvocabulary,
                                       run_alone)
+from specdecode.params import SamplingParams
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.models.prefix_cache import PrefixCache
 from specdecode.errors import VocabularyMismatchError
@@ -52,7 +53,9 @@ class DraftModelDrafter(Drafter):
     stops_by_confidence: ClassVar[bool] = True
 
     def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int, confidence: float = 0.0,
-                 prefixes: PrefixCache | None = None) -> None:
+                 prefixes: PrefixCache | None = None, temperature: float | None = None) -> None:
+        """``temperature``: how it drafts for sampled requests (``SpecConfig.draft_temperature``):
+        None by the request's own rule, 0 its argmax, t > 0 at temperature t."""
         # The draft's full vocabulary, even when its head computes only part of it.
         if draft.config.vocab_size != target_vocab_size:
             raise VocabularyMismatchError(
@@ -65,6 +68,7 @@ class DraftModelDrafter(Drafter):
         self.cache = draft.new_cache(capacity)
         self._cached = 0  # committed tokens held in the draft cache
         self.prefixes = prefixes
+        self.temperature = temperature
 
     def begin(self, seq: SequenceState) -> None:
         self.cache.reset()
@@ -80,11 +84,16 @@ class DraftModelDrafter(Drafter):
     def drafting(self, seq: SequenceState, k: int, argmax: bool | None = None,
                  on_step: Callable[[Tensor], None] | None = None) -> Drafting:
         """Up to ``k`` tokens, each the draft's argmax (``argmax``, default: the request is
-        greedy) or a sample from its distribution under the request's sampling rule; ``on_step``
-        sees each step's logits [1, V]. The first call feeds the committed tokens the draft cache
-        lacks (a catch-up when they are many), each later one the last draft."""
-        run = _DraftRun(self, seq, min(k, self.cache.capacity - len(seq.token_ids)),
-                        seq.params.greedy if argmax is None else argmax)
+        greedy or the drafter's temperature is 0) or a sample from its distribution under the
+        request's sampling rule (at the drafter's temperature, when it has one); ``on_step`` sees
+        each step's logits [1, V]. The first call feeds the committed tokens the draft cache lacks
+        (a catch-up when they are many), each later one the last draft."""
+        params = seq.params
+        if argmax is None:
+            argmax = params.greedy or self.temperature == 0
+        if not argmax and self.temperature is not None:
+            params = replace(params, temperature=self.temperature)
+        run = _DraftRun(self, seq, min(k, self.cache.capacity - len(seq.token_ids)), argmax, params)
         if run.k <= 0:
             return EMPTY_PROPOSAL
         logits = yield ModelCall(self.model, run.take_pending(), self.cache, last_only=True)
@@ -127,6 +136,7 @@ class _DraftRun:
     seq: SequenceState
     k: int
     argmax: bool
+    params: SamplingParams  # the request's, or at the drafter's own temperature
     tokens: list[Tensor] = field(default_factory=list)
     probs: list[Tensor] = field(default_factory=list)
     cumulative: float = 1.0
@@ -154,7 +164,7 @@ class _DraftRun:
         position = len(self.seq.token_ids) + len(self.tokens)  # the position this draft is for
         if ids is not None:
             choice, p, p_token = pick_from_subvocabulary(logits[0], ids, self.drafter.vocab_size, self.seq, need_prob,
-                                                         argmax=self.argmax, position=position)
+                                                         argmax=self.argmax, position=position, params=self.params)
             token = torch.tensor([choice])
             if p is not None:
                 self.probs.append(p)
@@ -162,11 +172,11 @@ class _DraftRun:
             token = greedy(logits)
             p_token = float(torch.softmax(logits[0], -1)[token]) if need_prob else 1.0
         elif self.seq.keys is not None:  # the race the target runs at this position, over q
-            p = logits_to_probs(logits, self.seq.params)
+            p = logits_to_probs(logits, self.params)
             token = race(p, self.seq.keys.at(position, self.drafter.vocab_size)[None])
             p_token = float(p[0, token])
         else:
-            p = logits_to_probs(logits, self.seq.params)
+            p = logits_to_probs(logits, self.params)
             token = sample(p, self.seq.generator)
             self.probs.append(p[0])
             p_token = float(p[0, token])

@@ -86,7 +86,7 @@ def _draft_model(r: DraftResources, capacity: int) -> Drafter:
     if r.draft_tokenizer is not None:
         return CrossVocabDrafter(r.draft_model, r.draft_tokenizer, r.tokenizer, capacity, r.spec.draft_confidence)
     return DraftModelDrafter(r.draft_model, r.target.config.vocab_size, capacity, r.spec.draft_confidence,
-                             r.draft_prefixes)
+                             r.draft_prefixes, r.spec.draft_temperature)
 
 
 def _tree(r: DraftResources, capacity: int) -> Drafter:
