@@ -3,6 +3,8 @@ asked with and without the file as the prediction, greedy; the answers must be i
 
     python scripts/prediction_speed.py [--method combined] [--repeat 2] [--max-tokens 700]
 
+(``specdecode bench --workload file-edit --prediction`` measures the same beside other methods.)
+
 Prints tokens/s of each (the best of ``--repeat``, prefill included), the speed-up, tau and the
 prediction's kept and refused drafts. Without a prediction it runs ``--method`` as the server
 would by default; with one, the prediction is offered beside that method's own drafts.
@@ -15,65 +17,10 @@ import dataclasses
 
 from specdecode.api import LLM
 from specdecode.config import DEFAULT_MODEL
+from specdecode.bench.prompts_code import SHOP_FILE, FILE_EDIT
 from specdecode.params import SamplingParams
 
-FILE = '''"""Inventory helpers for the shop's back office."""
-
-from dataclasses import dataclass
-
-
-@dataclass
-class Item:
-    name: str
-    price: float
-    qty: int
-
-
-def total_value(items: list[Item]) -> float:
-    """The stock's value at list prices."""
-    total = 0.0
-    for item in items:
-        total += item.price * item.qty
-    return total
-
-
-def low_stock(items: list[Item], threshold: int = 5) -> list[str]:
-    """Names of the items with fewer than ``threshold`` left."""
-    return [item.name for item in items if item.qty < threshold]
-
-
-def restock(items: list[Item], amount: int) -> None:
-    """Add ``amount`` to every item that is low on stock."""
-    for item in items:
-        if item.qty < 5:
-            item.qty += amount
-
-
-def most_valuable(items: list[Item]) -> Item | None:
-    """The item whose stock is worth the most."""
-    best = None
-    for item in items:
-        if best is None or item.price * item.qty > best.price * best.qty:
-            best = item
-    return best
-
-
-def price_list(items: list[Item]) -> str:
-    """One line per item: name and price, sorted by name."""
-    lines = []
-    for item in sorted(items, key=lambda i: i.name):
-        lines.append(f"{item.name}: {item.price:.2f}")
-    return "\\n".join(lines)
-
-
-def discount(items: list[Item], percent: float) -> None:
-    """Lower every price by ``percent``."""
-    for item in items:
-        item.price = round(item.price * (1 - percent / 100), 2)
-'''
-ASK = ("Rename the function `low_stock` to `items_below_threshold` and update its docstring to match. "
-       "Return the whole file and nothing else, in one ```python block.\n\n```python\n" + FILE + "```")
-
+FILE, ASK = SHOP_FILE, FILE_EDIT[0]  # the bench's file-edit workload, prompt 0
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -17,6 +17,7 @@ import pytest
 from specdecode.bench.endpoint import EndpointError, endpoint_url, sse_data, stream_completion
 from specdecode.bench.runner import Contestant, first_difference, our_contestants, plan_runs, run_benchmark
 from specdecode.bench.specbench import load_specbench
+from specdecode.bench.workloads import last_code_block
 from specdecode.bench.report import render_markdown
 from specdecode.bench.summary import summarize
 from specdecode.bench.workloads import (
@@ -519,3 +520,39 @@ def test_hf_peer_shares_our_weights(tiny_models, arch):
     ids = torch.arange(12)[None] % ours.config.vocab_size
     with torch.no_grad():
         torch.testing.assert_close(shared(ids).logits, loaded(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_prediction_adds_predicted_rows(tiny_pair, tmp_path):
+    """--prediction runs every method again with the prompt's code block as the predicted output:
+    the outputs stay plain decoding's, and the prediction's drafts are counted."""
+    code, summary, rows = bench(tmp_path, *pair_args(tiny_pair), "--methods", "ngram", "--workload", "code-edit",
+                                "--limit", "1", "--max-tokens", "24", "--prediction")
+    assert code == 0
+    assert list(summary["methods"]) == ["none", "ngram", "none+prediction", "ngram+prediction"]
+    assert all(r["identical"] for r in rows if r["method"] != "none")
+    assert all(r["prediction_accepted"] == r["prediction_rejected"] == 0 for r in rows if "+" not in r["method"])
+
+
+def test_predicted_runs_send_the_prompts_code_block():
+    """A ``+prediction`` contestant's requests carry the prompt's last code block; the others none."""
+    sent = []
+
+    class FakeLLM:
+        spec = type("S", (), {"synthetic_acceptance": None})()
+        suffix_history = set()
+        tokenizer = type("T", (), {"decode": staticmethod(lambda ids: "Fix:\n```py\nx = 1\n```")})()
+
+        def generate(self, ids, params, method, k, adaptive):
+            sent.append((method, params.prediction))
+            return [None]
+
+    runs = plan_runs(["ngram"], [4], sweep=False, prediction=True)
+    for contestant in our_contestants(FakeLLM(), runs):
+        contestant.generate([1, 2], SamplingParams(max_tokens=4))
+    assert sent == [("none", None), ("ngram", None), ("none", "```py\nx = 1\n```"), ("ngram", "```py\nx = 1\n```")]
+
+
+def test_last_code_block_is_the_prediction():
+    text = "Fix it:\n```python\nx = 1\n```\nand this:\n```js\nlet y = 2;\n```\n<|im_end|>"
+    assert last_code_block(text) == "```js\nlet y = 2;\n```"
+    assert last_code_block("no code here") is None

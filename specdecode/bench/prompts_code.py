@@ -1,8 +1,10 @@
-"""Built-in prompts for the ``code`` and ``code-edit`` workloads.
+"""Built-in prompts for the ``code``, ``code-edit`` and ``file-edit`` workloads.
 
 ``code`` asks for new code (the draft model's home ground: boilerplate a small model predicts
 well); ``code-edit`` hands over code and asks for a rewrite, so much of the answer repeats the
 prompt (prompt lookup's home ground). Languages and tasks vary so one idiom does not dominate.
+``file-edit`` is OpenAI's predicted-outputs case: a whole file, one small change, the whole file
+back, so nearly every answer token is in the prompt (and in the file sent as the prediction).
 """
 
 from __future__ import annotations
@@ -191,4 +193,70 @@ CODE_EDIT: tuple[str, ...] = (
 
     "Rewrite this function to build the report with a list comprehension and `str.join`, using an "
     f"f-string for each line. The output must not change.\n\n```python\n{_STRINGS}\n```",
+)
+
+# A 60-line file for whole-file edits (OpenAI's predicted-outputs example: a function renamed).
+SHOP_FILE = '''"""Inventory helpers for the shop's back office."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    name: str
+    price: float
+    qty: int
+
+
+def total_value(items: list[Item]) -> float:
+    """The stock's value at list prices."""
+    total = 0.0
+    for item in items:
+        total += item.price * item.qty
+    return total
+
+
+def low_stock(items: list[Item], threshold: int = 5) -> list[str]:
+    """Names of the items with fewer than ``threshold`` left."""
+    return [item.name for item in items if item.qty < threshold]
+
+
+def restock(items: list[Item], amount: int) -> None:
+    """Add ``amount`` to every item that is low on stock."""
+    for item in items:
+        if item.qty < 5:
+            item.qty += amount
+
+
+def most_valuable(items: list[Item]) -> Item | None:
+    """The item whose stock is worth the most."""
+    best = None
+    for item in items:
+        if best is None or item.price * item.qty > best.price * best.qty:
+            best = item
+    return best
+
+
+def price_list(items: list[Item]) -> str:
+    """One line per item: name and price, sorted by name."""
+    lines = []
+    for item in sorted(items, key=lambda i: i.name):
+        lines.append(f"{item.name}: {item.price:.2f}")
+    return "\\n".join(lines)
+
+
+def discount(items: list[Item], percent: float) -> None:
+    """Lower every price by ``percent``."""
+    for item in items:
+        item.price = round(item.price * (1 - percent / 100), 2)
+'''
+_RENAME = ("Rename the function `low_stock` to `items_below_threshold` and update its docstring to match. "
+       "Return the whole file and nothing else, in one ```python block.\n\n```python\n" + SHOP_FILE + "```")
+
+
+FILE_EDIT: tuple[str, ...] = (
+    _RENAME,
+    "Change the low-stock threshold of `restock` from 5 to 10 and give `restock` a `threshold: int = 10` "
+    "parameter used in its comparison. Return the whole file and nothing else, in one ```python block.\n\n"
+    "```python\n" + SHOP_FILE + "```",
 )

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdecode.bench.workloads import Prompt
+from specdecode.bench.workloads import Prompt, last_code_block
 from specdecode.params import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES, build_drafter
 from specdecode.engine.generation import GenerationOutput
@@ -54,6 +54,7 @@ class RunSpec:
     method: str
     k: int | None
     adaptive: bool = True  # the speculation policy picks the draft length, up to k (engine/policy.py)
+    predicted: bool = False  # requests carry the prompt's last code block as their prediction ("+prediction")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +90,14 @@ class BenchResult:
 
 
 def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool,
-              schedules: Sequence[str] = ("adaptive",)) -> list[RunSpec]:
+              schedules: Sequence[str] = ("adaptive",), prediction: bool = False) -> list[RunSpec]:
     """``none`` first (it is every comparison's reference), then each method at each K.
 
     Under ``--sweep-k`` every speculative method appears once per K, named ``METHOD@k=K``; without
     it the plain method name is used. Every row also carries ``method`` and ``k`` fields.
     ``schedules`` holds "adaptive" and/or "fixed"; with both, fixed-K rows get a ``+fixed`` suffix.
+    ``prediction`` adds each row again (``none`` too) as ``NAME+prediction``, whose requests carry
+    the prompt's last code block as a predicted output (``workloads.last_code_block``).
     """
     unknown = [m for m in methods if m not in METHOD_NAMES]
     if unknown:
@@ -111,6 +114,8 @@ def plan_runs(methods: Sequence[str], ks: Sequence[int], sweep: bool,
             for schedule in schedules:
                 suffix = "+fixed" if schedule == "fixed" and len(schedules) > 1 else ""
                 runs.append(RunSpec(name + suffix, method, k, adaptive=schedule == "adaptive"))
+    if prediction:
+        runs += [replace(run, name=f"{run.name}+prediction", predicted=True) for run in runs]
     return runs
 
 
@@ -124,6 +129,8 @@ def our_contestants(llm: LLM, runs: Sequence[RunSpec]) -> list[Contestant]:
             # Each request is measured on its own: a history holding the warm-up or an earlier
             # repeat of this very prompt would flatter drafters that learn across requests.
             llm.suffix_history.clear()
+            if run.predicted:
+                params = replace(params, prediction=last_code_block(llm.tokenizer.decode(ids)))
             return llm.generate(ids, params, run.method, run.k, adaptive=run.adaptive)[0]
 
         contestants.append(Contestant(run.name, run.method, run.k, "ours", generate,
@@ -382,6 +389,8 @@ def make_row(prompt: Prompt, turn: int, contestant: Contestant, rep: int, out: G
         "target_steps": s.target_steps if ours else None,
         "plain_steps": s.plain_steps if speculative else None,  # steps the policy drafted nothing
         "free_drafts": s.free_drafts if speculative else None,  # drafts copied from a context match
+        "prediction_accepted": s.prediction_accepted if ours else None,  # drafts taken from the prediction
+        "prediction_rejected": s.prediction_rejected if ours else None,
         "draft_s": s.draft_s if speculative else None, "verify_s": s.verify_s if ours else None,
         "drafts": s.drafts if speculative else None,
         "draft_tokens": s.draft_tokens if speculative else None,

@@ -7,6 +7,7 @@ user's own prompts come in Spec-Bench's format (see ``specbench.py``). Both beco
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -27,12 +28,13 @@ def _registry() -> dict[str, tuple[str | tuple[str, ...], ...]]:
     """Name -> prompts (a text, or a conversation's user turns); imported lazily so the CLI's
     start-up does not load prompt text."""
     from specdecode.bench.prompts_agent import AGENT
-    from specdecode.bench.prompts_code import CODE, CODE_EDIT
+    from specdecode.bench.prompts_code import CODE, CODE_EDIT, FILE_EDIT
     from specdecode.bench.prompts_other import MATH, TRANSLATION
     from specdecode.bench.prompts_text import CHAT, RAG, SUMMARIZATION
 
     return {"code": CODE, "code-edit": CODE_EDIT, "chat": CHAT, "summarization": SUMMARIZATION,
-            "rag": RAG, "math": MATH, "translation": TRANSLATION, "agent": AGENT}
+            "rag": RAG, "math": MATH, "translation": TRANSLATION, "agent": AGENT,
+            "file-edit": FILE_EDIT}
 
 
 # Single-turn workloads; ``all`` names these.
@@ -40,6 +42,9 @@ WORKLOAD_NAMES: tuple[str, ...] = ("code", "code-edit", "chat", "summarization",
 # Conversations that grow turn by turn (a prefix cache's case), chosen by name only: their later
 # turns stand on thousands of tokens, which ``all`` should not add to a run unasked.
 MULTI_TURN_WORKLOADS: tuple[str, ...] = ("agent",)
+# Whole-file edits answered with the whole file (predicted outputs' case, ``--prediction``): long
+# answers, chosen by name only.
+NAMED_ONLY_WORKLOADS: tuple[str, ...] = (*MULTI_TURN_WORKLOADS, "file-edit")
 
 
 def parse_workload_names(text: str) -> list[str]:
@@ -51,10 +56,10 @@ def parse_workload_names(text: str) -> list[str]:
             continue
         expanded = list(WORKLOAD_NAMES) if name == "all" else [name]
         for item in expanded:
-            if item not in WORKLOAD_NAMES + MULTI_TURN_WORKLOADS:
+            if item not in WORKLOAD_NAMES + NAMED_ONLY_WORKLOADS:
                 raise InvalidConfigError(
                     f"unknown workload {item!r}; choose from "
-                    f"{', '.join(WORKLOAD_NAMES + MULTI_TURN_WORKLOADS)} or all"
+                    f"{', '.join(WORKLOAD_NAMES + NAMED_ONLY_WORKLOADS)} or all"
                 )
             if item not in names:
                 names.append(item)
@@ -89,3 +94,14 @@ def limit_per_category(prompts: Iterable[Prompt], limit: int | None) -> list[Pro
             seen[prompt.category] = seen.get(prompt.category, 0) + 1
             kept.append(prompt)
     return kept
+
+
+_FENCED = re.compile(r"```[^\n`]*\n.*?```", re.DOTALL)
+
+
+def last_code_block(text: str) -> str | None:
+    """The prediction a coding tool sends with an edit request (``bench --prediction``): the
+    prompt's last fenced code block, fences included, as the answer is expected to repeat it;
+    None when the prompt has none."""
+    blocks = _FENCED.findall(text)
+    return blocks[-1] if blocks else None

@@ -83,9 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
                                         "summarization, rag, math, translation, or all of those; agent "
                                         "(coding sessions growing turn by turn, TTFT reported per turn) "
-                                        "by name only")
+                                        "and file-edit (a whole file with one small change, answered with "
+                                        "the whole file: predicted outputs' case) by name only")
     src.add_argument("--dataset", type=Path,
                      help="Spec-Bench question.jsonl: one {question_id, category, turns} object a line")
+    p.add_argument("--prediction", action="store_true",
+                   help="run every method again (none too) as METHOD+prediction, each request carrying its "
+                        "prompt's last code block as a predicted output, as a coding tool sends the file it "
+                        "edits (OpenAI's prediction field); the output stays the target's")
     p.add_argument("--limit", type=int, default=None,
                    help="use only the first N prompts of each workload / dataset category")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn at most (default: %(default)s)")
@@ -177,6 +182,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if "hf" in peers and quantize == "int8":
         raise InvalidConfigError("--peers hf runs transformers on the float weights, so it cannot share an int8 "
                                  "target's weights or outputs; drop --quantize to compare with it")
+    if args.endpoint and args.prediction:
+        raise InvalidConfigError("--prediction measures our engine's methods; with --endpoint send the prediction "
+                                 "in the requests yourself")
     if args.endpoint and peers:
         raise InvalidConfigError("--peers runs local models; it cannot be combined with --endpoint")
     if (args.llamacpp_server or args.llamacpp_args) and "llamacpp" not in peers:
@@ -212,7 +220,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         print("specdecode: note: adding method 'none': it is the reference for speedups and identity checks",
               file=sys.stderr)
     schedules = ("adaptive", "fixed") if args.k_schedule == "both" else (args.k_schedule,)
-    runs = plan_runs(methods, ks, sweep=args.sweep_k is not None, schedules=schedules)
+    runs = plan_runs(methods, ks, sweep=args.sweep_k is not None, schedules=schedules, prediction=args.prediction)
     if synthetic is not None:  # never mistaken for real rows: their names say what they are
         runs = [r if r.method == "none" else replace(r, name=f"{r.name}+synthetic") for r in runs]
     return Plan(prompts, runs, ks, params, source, tuple(peers), llamacpp_args, vllm_args, synthetic)
@@ -298,7 +306,8 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
 
         vllm_python = find_vllm_python(args.vllm_python)
     llm = LLM(args.model, draft=draft if needs_draft else None, dtype=args.dtype, max_seq_len=args.max_seq_len,
-              draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
+              draft_confidence=args.draft_confidence, draft_temperature=args.draft_temperature,
+              draft_quantize=args.draft_quantize, draft_vocab=args.draft_vocab,
               quantize=args.quantize, prefix_cache=args.prefix_cache, kv_cache_memory=args.kv_cache_memory,
               synthetic_acceptance=plan.synthetic, **method_options(args, [r.method for r in plan.runs]))
     args.quantize = llm.quantize or "none"  # what ran: reports and the reproducing command name it
@@ -451,6 +460,7 @@ def _meta(args: argparse.Namespace, plan: Plan, *, model: str, draft: str | None
             "k_schedule": getattr(args, "k_schedule", None), "draft_quantize": getattr(args, "draft_quantize", None),
             "quantize": getattr(args, "quantize", None),
             "draft_confidence": getattr(args, "draft_confidence", None),
+            "draft_temperature": getattr(args, "draft_temperature", None),
             "draft_vocab": getattr(args, "draft_vocab", None),
         },
     }
