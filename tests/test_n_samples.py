@@ -21,6 +21,7 @@ from specdecode.engine.samples import child_seed
 from specdecode.params import SEED_MAX
 from specdecode.server.app import create_app
 from specdecode.server.scheduler import Scheduler
+from tests.methods import SPEC_METHODS
 
 MODEL = "tiny-pair"
 CHAT = "/v1/chat/completions"
@@ -29,11 +30,11 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_pair) -> LLM:
+def llm(tiny_pair, tiny_pair_heads) -> LLM:
     target, draft = tiny_pair
     # K fixed: the policy would rightly skip drafting on tiny random models, and these tests want drafts.
     return LLM(model=str(target), draft=str(draft), method="draft_model", num_speculative_tokens=4,
-               adaptive=False, max_seq_len=256, progress=False)
+               adaptive=False, max_seq_len=256, progress=False, **tiny_pair_heads)
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +237,13 @@ def test_generate_n_best_of_ranks_by_cumulative_logprob(llm):
     assert best.logprobs is None
     with pytest.raises(ValueError, match="best_of"):
         llm.generate_n(prompt, params, 3, best_of=2)
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_generate_n_of_every_method_equals_plain_decodings(llm, method):
+    """Including methods whose drafters read the prompt's hidden states: their samples prefill
+    for themselves."""
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=77, ignore_eos=True)
+    prompt = "every method: def h(z):"
+    plain = llm.generate_n(prompt, params, 3, method="none")
+    assert [o.token_ids for o in llm.generate_n(prompt, params, 3, method=method)] == [o.token_ids for o in plain]
