@@ -1,4 +1,4 @@
-"""The Python API: ``LLM(...).generate / chat / stream``.
+"""The Python API: ``LLM(...).generate / generate_n / chat / stream``.
 
 ``LLM`` loads the target (and optionally a draft model) once and keeps one drafter per method, so
 a caller can compare methods on the same loaded weights (``method=`` on each call overrides the
@@ -22,11 +22,13 @@ from specdecode.drafters.draft_vocab import restricted_draft
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine.engine import Engine
 from specdecode.engine.generation import GenerationOutput, StreamEvent
+from specdecode.engine.samples import best, sample_params
 from specdecode.models.watch import WATCH
 from specdecode.models.prefix_cache import PrefixCache, companion, parse_memory
 from specdecode.index.datastore import Datastore
 from specdecode.index.history import SuffixHistory
-from specdecode.errors import InvalidConfigError, UnsupportedModelError, VocabularyMismatchError
+from specdecode.errors import (InvalidConfigError, InvalidSamplingParamsError, UnsupportedModelError,
+                               VocabularyMismatchError)
 from specdecode.models.catalog import resolve_model
 from specdecode.models.gguf_convert import MARKER_NAME
 from specdecode.models import draft_quant
@@ -208,6 +210,40 @@ class LLM:
             prompts = [prompts]
         return [_output(self.events(p, params, method, num_speculative_tokens, adaptive=adaptive)) for p in prompts]
 
+    def generate_n(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        n: int = 1,
+        method: str | None = None,
+        num_speculative_tokens: int | None = None,
+        *,
+        best_of: int | None = None,
+        adaptive: bool | None = None,
+    ) -> list[GenerationOutput]:
+        """``n`` samples of one prompt (raw text or token ids), as OpenAI's ``n``: a list of
+        ``n`` outputs. A method of its own rather than an ``n`` on ``generate`` or
+        ``SamplingParams``, so ``generate`` keeps returning one output per prompt.
+
+        Sample i of a seeded ``params`` takes seed ``seed + i`` (vLLM's rule), so it equals
+        ``generate`` with that seed; unseeded samples draw a seed each. The samples decode
+        together and prefill the prompt once. ``best_of`` (at least ``n``): generate that many
+        and return the ``n`` with the highest cumulative logprob, highest first (logprobs are
+        computed to rank them, and returned only when ``params`` asks). Other arguments as
+        ``generate``; see ``engine/samples.py``."""
+        params = params or SamplingParams()
+        count = n if best_of is None else best_of
+        if not isinstance(n, int) or not isinstance(count, int) or not 1 <= n <= count:
+            raise InvalidSamplingParamsError(f"need 1 <= n <= best_of, got n={n!r}, best_of={best_of!r}")
+        ranked = count > n
+        children = sample_params(params, count, ranked)
+        spec = self._spec(method, num_speculative_tokens, adaptive)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        capacity = min(self.engine.max_seq_len, len(ids) + params.max_tokens)
+        drafters = [self.new_drafter(spec.method, capacity) for _ in children]
+        outputs = self.engine.generate_samples(ids, children, drafters, spec)
+        return best(outputs, n, params.logprobs is not None) if ranked else outputs
+
     def chat(
         self,
         messages: Sequence[dict[str, str]],
@@ -247,10 +283,14 @@ class LLM:
         """The generation of one prompt (raw text or token ids) as it happens: each event carries
         the text and token ids accepted since the last, and the last event the whole
         ``GenerationOutput`` with its statistics."""
-        overrides = {"method": method, "num_speculative_tokens": num_speculative_tokens, "adaptive": adaptive}
-        spec = dataclasses.replace(self.spec, **{k: v for k, v in overrides.items() if v is not None})
+        spec = self._spec(method, num_speculative_tokens, adaptive)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         return self.engine.stream(ids, params or SamplingParams(), self.drafter(spec.method), spec)
+
+    def _spec(self, method: str | None, num_speculative_tokens: int | None, adaptive: bool | None) -> SpecConfig:
+        """The LLM's settings with a call's overrides (validated like them)."""
+        overrides = {"method": method, "num_speculative_tokens": num_speculative_tokens, "adaptive": adaptive}
+        return dataclasses.replace(self.spec, **{k: v for k, v in overrides.items() if v is not None})
 
     def chat_prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not messages:

@@ -20,6 +20,9 @@ GREEDY_BELOW = 1e-5
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+# Samples of one prompt in one call (``n``, ``best_of``): each decodes as a request of its own
+# beside the others, with a KV cache of its own.
+MAX_SAMPLES = 16
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
 
 

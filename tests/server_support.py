@@ -129,10 +129,19 @@ class SlowJobs(JobQueue):
     def waiting(self) -> int:
         return self.inner.waiting
 
+    @property
+    def max_samples(self) -> int | None:
+        return self.inner.max_samples
+
     def submit(self, prompt_ids: list[int], params: Any) -> _SlowJob:
         job = _SlowJob(self.inner.submit(prompt_ids, params), self)
         self.submitted += 1
         return job
+
+    def submit_samples(self, prompt_ids: list[int], params: Any) -> list[_SlowJob]:
+        jobs = [_SlowJob(job, self) for job in self.inner.submit_samples(prompt_ids, params)]
+        self.submitted += len(jobs)
+        return jobs
 
 
 class _SlowJob:

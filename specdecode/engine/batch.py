@@ -10,6 +10,12 @@ what a decode step costs on a CPU; acceptance stays ragged per request); commit;
 step's measured costs to the policy. The target's kernels are batch-invariant, so each request
 gets exactly the tokens it would get alone.
 
+Samples of one prompt (``n`` > 1) share its prefill: a request added with ``shares`` waits while
+the request it names prefills, then copies that prompt's keys and values and starts on the same
+last-row logits (``Generation.start_shared``; the kernels are row-invariant, so these are the bits
+its own prefill would compute). Should the named request leave before its prefill ends, the
+waiting ones prefill for themselves.
+
 A request that fails (a bad grammar mid-way, NaN logits) fails alone; a failed shared forward
 fails the requests in it. A cancelled request leaves at the next step. A request that leaves
 hands its cache back to the prefix cache (``models/prefix_cache.py``), which keeps it for later
@@ -52,10 +58,16 @@ class Member:
     cancelled: Callable[[], bool] = _never
     chunks: list[Tensor] = field(default_factory=list)  # prefill chunks not run yet
     failed: BaseException | None = None
+    source: Member | None = None  # the request whose prefill of the same prompt this one waits for
 
     @property
     def prefilling(self) -> bool:
         return bool(self.chunks)
+
+    @property
+    def ready(self) -> bool:
+        """Past its prefill (its own or a shared one) and not failed: it decodes this step."""
+        return not self.chunks and self.source is None and self.failed is None
 
 
 @dataclass(slots=True)
@@ -83,8 +95,18 @@ class Batch:
     def __len__(self) -> int:
         return len(self.members)
 
-    def add(self, gen: Generation, tag: Any = None, cancelled: Callable[[], bool] = _never) -> Member:
-        member = Member(gen, tag, cancelled, gen.prefill_chunks())
+    def add(self, gen: Generation, tag: Any = None, cancelled: Callable[[], bool] = _never,
+            shares: Member | None = None) -> Member:
+        """Add a request. ``shares``: a member with the same prompt, still prefilling, whose
+        prefill this request takes instead of running its own (see the module docstring); it is
+        ignored when either cannot share (``Generation.shares_prefill``) or ``shares`` is done
+        prefilling."""
+        if (shares is not None and shares in self.members and shares.prefilling and gen.shares_prefill
+                and shares.gen.seq.prompt_len == gen.seq.prompt_len
+                and shares.gen.seq.token_ids[: gen.seq.prompt_len] == gen.seq.token_ids[: gen.seq.prompt_len]):
+            member = Member(gen, tag, cancelled, source=shares)
+        else:
+            member = Member(gen, tag, cancelled, gen.prefill_chunks())
         self.members.append(member)
         return member
 
@@ -101,7 +123,7 @@ class Batch:
         prefilling = [m for m in self.members if m.prefilling]
         if prefilling:
             self._prefill_chunk(prefilling[0], out)
-        decoding = [m for m in self.members if not m.prefilling and m.failed is None]
+        decoding = [m for m in self.members if m.ready]
         if decoding:
             self._decode(decoding, len(self.members), out)
         return out
@@ -114,6 +136,8 @@ class Batch:
             self.members.remove(m)
             out.left.append(m)
             self._hand_back(m, kept=error is None)
+            for waiting in self._sharing(m):  # its prefill will not come: they run their own
+                waiting.source, waiting.chunks = None, waiting.gen.prefill_chunks()
 
     def drop_all(self, kept: bool = False) -> list[Member]:
         """Remove every request without an event (the caller ends them). Their caches go back to
@@ -140,9 +164,25 @@ class Batch:
                                          invariant=True)
             if m.chunks:
                 return
-            out.events.append((m, gen.start(logits)))
-            if gen.finished:
-                out.events.append((m, gen.finish()))
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            self._leave(m, out, exc)
+            return
+        # The samples sharing this prefill copy the cache first: ``m`` may finish and hand it back.
+        for other in self._sharing(m):
+            other.source = None
+            self._start(other, lambda g=other.gen: g.start_shared(gen.cache, logits), out)
+        self._start(m, lambda: gen.start(logits), out)
+
+    def _sharing(self, m: Member) -> list[Member]:
+        """The members waiting for ``m``'s prefill."""
+        return [other for other in self.members if other.source is m]
+
+    def _start(self, m: Member, start: Callable[[], StreamEvent], out: StepOutcome) -> None:
+        """Pick ``m``'s first token with ``start``; a request done at once (one token, EOS) leaves."""
+        try:
+            out.events.append((m, start()))
+            if m.gen.finished:
+                out.events.append((m, m.gen.finish()))
                 self._leave(m, out)
         except Exception as exc:  # noqa: BLE001 - fails this request only
             self._leave(m, out, exc)

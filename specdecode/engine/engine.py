@@ -3,12 +3,13 @@
 A request runs as a batch of one through the step loop (``batch.py``), the same loop a server's
 concurrent requests share, so solo and batched requests decode, draft and choose K alike. Every
 request takes its KV cache from the engine's prefix cache (``models/prefix_cache.py``), which may
-hold the start of its prompt, and hands it back when it ends.
+hold the start of its prompt, and hands it back when it ends. Several samples of one prompt
+(``begin_samples``) take their caches together and share one prefill of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import cached_property
 
 from specdecode.config import SpecConfig
@@ -62,9 +63,10 @@ class Engine:
             )
 
     def begin(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
-              spec: SpecConfig = PLAIN, cache: KVCache | None = None) -> Generation:
+              spec: SpecConfig = PLAIN, cache: KVCache | None = None, *, fresh: bool = False) -> Generation:
         """A checked new request on ``cache`` (default: one from the prefix cache, which may hold
-        the start of the prompt; it raises ``KVCacheFullError`` when the budget is spent).
+        the start of the prompt; it raises ``KVCacheFullError`` when the budget is spent; with
+        ``fresh``, an empty one, for a request that will copy its prompt from another's prefill).
         ``drafter`` None is plain decoding; ``spec`` gives the draft length (K, and whether the
         policy may choose less: ``policy.py``); its method was already used to build ``drafter``.
 
@@ -74,7 +76,7 @@ class Engine:
         grammar = None if params.constraint is None else self.grammars.matcher(params.constraint)
         if cache is not None:
             return Generation(prompt_ids, params, drafter, spec, self.tokenizer, cache, self.max_seq_len, grammar)
-        reuse = drafter is None or not drafter.needs_hidden_states
+        reuse = not fresh and (drafter is None or not drafter.needs_hidden_states)
         lease = self.caches.take(prompt_ids, min(self.max_seq_len, len(prompt_ids) + params.max_tokens), reuse)
         try:
             return Generation(prompt_ids, params, drafter, spec, self.tokenizer, lease.cache, self.max_seq_len,
@@ -83,20 +85,57 @@ class Engine:
             self.caches.discard(lease.cache)
             raise
 
+    def begin_samples(self, prompt_ids: list[int], params: Sequence[SamplingParams],
+                      drafters: Sequence[Drafter | None], spec: SpecConfig = PLAIN) -> list[Generation]:
+        """Requests for several samples of one prompt, one per ``params`` (each with its own
+        drafter), all or none: every cache is taken now, so the memory budget counts them all
+        and ``KVCacheFullError`` frees those already taken. The first takes its cache as
+        ``begin`` does (a cached prefix included); the others get empty caches, to be filled
+        from the first one's prefill (``Batch.add(..., shares=first)``)."""
+        gens: list[Generation] = []
+        try:
+            for i, (p, drafter) in enumerate(zip(params, drafters, strict=True)):
+                gens.append(self.begin(prompt_ids, p, drafter, spec, fresh=i > 0))
+        except BaseException:
+            for gen in gens:
+                self.caches.discard(gen.cache)
+            raise
+        return gens
+
     def stream(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                spec: SpecConfig = PLAIN) -> Iterator[StreamEvent]:
         """Generate for one prompt, yielding each step's newly final text (arguments as ``begin``):
         a batch of one, through the same step loop and policy as a server's requests."""
+        for _, event in self._run(prompt_ids, [params], [drafter], spec):
+            yield event
+
+    def generate_samples(self, prompt_ids: list[int], params: Sequence[SamplingParams],
+                         drafters: Sequence[Drafter | None], spec: SpecConfig = PLAIN) -> list[GenerationOutput]:
+        """One output per ``params``, all samples of ``prompt_ids`` decoded together in one batch
+        on one prefill of the prompt (see ``begin_samples``)."""
+        outputs: dict[int, GenerationOutput] = {}
+        for i, event in self._run(prompt_ids, params, drafters, spec):
+            if event.output is not None:
+                outputs[i] = event.output
+        return [outputs[i] for i in range(len(params))]
+
+    def _run(self, prompt_ids: list[int], params: Sequence[SamplingParams], drafters: Sequence[Drafter | None],
+             spec: SpecConfig) -> Iterator[tuple[int, StreamEvent]]:
+        """The events of samples of one prompt, each with its index in ``params``; the first error
+        any of them meets is raised."""
         batch = Batch(self.target, self.policy, caches=self.caches)
-        batch.add(self.begin(prompt_ids, params, drafter, spec))
+        gens = self.begin_samples(prompt_ids, params, drafters, spec)
+        first = batch.add(gens[0], 0)
+        for i, gen in enumerate(gens[1:], 1):
+            batch.add(gen, i, shares=first)
         try:
             while len(batch):
                 outcome = batch.step()
-                for _, event in outcome.events:
-                    yield event
+                for member, event in outcome.events:
+                    yield member.tag, event
                 for _, error in outcome.failed:
                     raise error
-        finally:  # the caller stopped early: the request's cache must not stay counted as running
+        finally:  # the caller stopped early: the requests' caches must not stay counted as running
             batch.drop_all(kept=True)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,

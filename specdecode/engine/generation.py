@@ -137,6 +137,25 @@ class Generation:
                 self.drafter.observe_hidden(self.capture.take())
         return self._event(new, logits)
 
+    @property
+    def shares_prefill(self) -> bool:
+        """Whether this request can start on another request's prefill of its prompt
+        (``start_shared``): its cache holds none of the prompt yet and no drafter needs the
+        prompt's hidden states, which only its own prefill would capture."""
+        return self.cached == 0 and self.capture is None
+
+    def start_shared(self, source: KVCache, logits: Tensor) -> StreamEvent:
+        """``start`` on another request's prefill of the same prompt (another sample of it):
+        ``source`` holds the prompt's keys and values, ``logits`` [1, V] are its last row. The
+        prefill runs on row-invariant kernels, so these are the bits this request's own prefill
+        would compute; copying them replaces that prefill."""
+        if not self.shares_prefill:
+            raise ValueError("start_shared needs a request with an empty cache and no hidden-state capture")
+        n = self.seq.prompt_len
+        self.cache.copy_prefix(source, n)
+        self.cached = self.stats.cached_tokens = n
+        return self.start(logits)
+
     def _event(self, new: list[int], rows: Tensor) -> StreamEvent:
         """The step's event for the committed tokens ``new``, chosen on ``rows`` (one per token);
         moves the grammar past them and records their logprobs."""

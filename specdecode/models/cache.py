@@ -88,3 +88,10 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+    def copy_prefix(self, source: KVCache, n: int) -> None:
+        """Hold ``source``'s first ``n`` tokens, and only those (a cached prefix resumed, or a
+        prompt another sample of it prefilled)."""
+        self.k[:, :, :n] = source.k[:, :, :n]
+        self.v[:, :, :n] = source.v[:, :, :n]
+        self.length = n

@@ -158,7 +158,7 @@ class PrefixCache:
             return Lease(entry.cache, keep)
         superseded = keep == held  # the copy holds all the entry holds: it can go after the copy
         cache = self._allocate(capacity, pinned=entry, frees=_bytes(entry.cache) if superseded else 0)
-        _copy_prefix(entry.cache, cache, keep)
+        cache.copy_prefix(entry.cache, keep)
         if superseded:
             self._drop(entry)
         else:
@@ -199,7 +199,7 @@ class PrefixCache:
             if entry is None or keep <= 0:
                 return 0
             self.hits += keep
-            _copy_prefix(entry.cache, cache, keep)
+            cache.copy_prefix(entry.cache, keep)
             self._idle.move_to_end(id(entry))
             return keep
 
@@ -273,7 +273,7 @@ class PrefixCache:
 
     def _copy(self, cache: KVCache, held: int, capacity: int) -> KVCache:
         copy = self.new_cache(capacity)
-        _copy_prefix(cache, copy, held)
+        copy.copy_prefix(cache, held)
         return copy
 
     def _compact(self, cache: KVCache, held: int) -> KVCache:
@@ -295,13 +295,6 @@ class PrefixCache:
         return (f"this request's KV cache needs {need / mib:.0f} MiB but running requests hold "
                 f"{self.used / mib:.0f} of the {self.budget / mib:.0f} MiB KV cache budget; retry shortly, "
                 "or raise --kv-cache-memory")
-
-
-def _copy_prefix(source: KVCache, target: KVCache, n: int) -> None:
-    """``target`` holds ``source``'s first ``n`` tokens, and only those."""
-    target.k[:, :, :n] = source.k[:, :, :n]
-    target.v[:, :, :n] = source.v[:, :, :n]
-    target.length = n
 
 
 def _bytes(cache: KVCache) -> int:

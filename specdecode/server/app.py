@@ -3,7 +3,7 @@
 Bodies are read and parsed here rather than by FastAPI's parameter injection, so that every
 problem (too large, not JSON, wrong field) gets OpenAI's error shape and a 4xx, and nothing a
 client sends can produce a 500. Generation itself happens in the scheduler; this layer only
-validates, submits, and streams or collects the job's events.
+validates, submits, and streams or collects the job's events (a job per sample when ``n`` > 1).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from specdecode.server.http_errors import APIError, bad_request, from_spec_error
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
 from specdecode.server.protocol import (
     ChunkWriter,
+    Prepared,
     chat_body,
     completion_body,
     constraint_param,
@@ -41,7 +42,7 @@ from specdecode.server.protocol import (
 )
 from specdecode.server.scheduler import JobQueue
 from specdecode.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from specdecode.server.streaming import EventStreamResponse, Job, TrackedJob, collect
+from specdecode.server.streaming import EventStreamResponse, Job, TrackedJob, collect, merged
 
 log = logging.getLogger("specdecode.server")
 
@@ -124,23 +125,25 @@ def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
             raise bad_request(problem[1], problem[0], "unsupported_parameter")
         try:  # e.g. a model without a chat template, or a prompt the engine refuses
             prepared = prepare_chat(req, llm) if chat else prepare_completion(req, llm)
+            _check_samples(prepared, scheduler.max_samples)
             if prepared.params.constraint is not None:  # compile it now: a bad schema is a 400, not a failed stream
                 await asyncio.to_thread(llm.engine.grammars.check, prepared.params.constraint)
-            job = scheduler.submit(prepared.prompt_ids, prepared.params)
+            jobs = scheduler.submit_samples(prepared.prompt_ids, prepared.samples())
         except InvalidConstraintError as exc:
             raise bad_request(str(exc), constraint_param(req), "invalid_value") from None
         except SpecDecodeError as exc:
             raise from_spec_error(exc) from None
-        tracked = TrackedJob(job, metrics)
-        if req.stream:
-            return EventStreamResponse(_sse(tracked, ChunkWriter(chat, served, req.include_usage, llm.tokenizer)))
+        tracked = [TrackedJob(job, metrics) for job in jobs]
+        if req.stream:  # never ranked (best_of > 1 is refused with stream)
+            writer = ChunkWriter(chat, served, req.include_usage, llm.tokenizer, prepared.n)
+            return EventStreamResponse(_sse(tracked, writer))
         try:
-            output = await collect(tracked, request.receive)
+            outputs = await collect(tracked, request.receive)
         except SpecDecodeError as exc:
             raise from_spec_error(exc) from None
-        if output is None:
+        if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
-        body = chat_body(served, output, llm.tokenizer) if chat else completion_body(served, output, llm.tokenizer)
+        body = (chat_body if chat else completion_body)(served, prepared.choices(outputs), outputs, llm.tokenizer)
         return JSONResponse(body)
 
     app.include_router(v1)
@@ -162,19 +165,29 @@ def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
     return app
 
 
-async def _sse(tracked: TrackedJob, writer: ChunkWriter) -> AsyncIterator[str]:
-    """The stream's events; an error after the headers went out becomes an error event."""
+def _check_samples(prepared: Prepared, limit: int | None) -> None:
+    """Refuse more samples of one prompt than the scheduler runs at once (a slot each)."""
+    if limit is not None and prepared.best_of > limit:
+        param = "best_of" if prepared.ranked else "n"
+        raise bad_request(f"{param} is {prepared.best_of} but this server runs at most {limit} sequences at once "
+                          f"(--max-concurrency {limit}); lower {param}", param, "invalid_value")
+
+
+async def _sse(tracked: list[TrackedJob], writer: ChunkWriter) -> AsyncIterator[str]:
+    """The stream's events (every choice's, as they come); an error after the headers went out
+    becomes an error event."""
     for event in writer.start():
         yield event
     try:
-        async with contextlib.aclosing(tracked.events()) as events:
-            async for event in events:
+        async with contextlib.aclosing(merged(tracked)) as events:
+            async for index, event in events:
                 if event.text or event.logprobs:
-                    yield writer.text(event.text, event.logprobs)
+                    yield writer.text(event.text, event.logprobs, index)
                 if event.output is not None:
-                    for chunk in writer.end(event.output):
-                        yield chunk
-                    return
+                    yield writer.finish(event.output, index)
+        for chunk in writer.close([job.output for job in tracked if job.output is not None]):
+            yield chunk
+        return
     except SpecDecodeError as exc:
         err = from_spec_error(exc)
     except APIError as exc:

@@ -3,6 +3,11 @@
 Requests become ``(prompt_ids, SamplingParams)`` with every limit checked before anything is
 queued, so a request that cannot fit the context fails fast with a 400 naming the field. Outputs
 become OpenAI's response objects and Server-Sent Events, chunk for chunk as OpenAI sends them.
+
+``n`` > 1 (and ``best_of``) asks for several samples of the prompt (``engine/samples.py``: sample i
+takes seed ``seed + i``); they come back as ``choices`` 0..n-1. Usage counts the prompt once and
+sums the completion tokens of every sample generated (``best_of``'s unreturned candidates
+included, as OpenAI bills them); ``spec_decode`` sums the statistics of every sample the same way.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +24,7 @@ import jinja2
 from specdecode.api import LLM
 from specdecode.params import GREEDY_BELOW, Constraint, SamplingParams
 from specdecode.engine.generation import GenerationOutput
+from specdecode.engine.samples import best, sample_params
 from specdecode.sample.logprobs import TokenLogprob
 from specdecode.tokenizer import Tokenizer
 from specdecode.errors import PromptTooLongError, SpecDecodeError
@@ -49,10 +56,25 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy (token-identica
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A validated request, ready for the scheduler."""
+    """A validated request, ready for the scheduler: ``n`` choices out of ``best_of`` samples."""
 
     prompt_ids: list[int]
     params: SamplingParams
+    n: int = 1
+    best_of: int = 1
+
+    @property
+    def ranked(self) -> bool:
+        """Whether the choices are the best ``n`` of more samples (by cumulative logprob)."""
+        return self.best_of > self.n
+
+    def samples(self) -> list[SamplingParams]:
+        """Every sample's settings: seed ``seed + i``, logprobs on when they are ranked."""
+        return sample_params(self.params, self.best_of, self.ranked)
+
+    def choices(self, outputs: list[GenerationOutput]) -> list[GenerationOutput]:
+        """The samples' outputs (in sample order) the response returns, in choice order."""
+        return best(outputs, self.n, self.params.logprobs is not None) if self.ranked else outputs
 
 
 def prepare_completion(req: CompletionRequest, llm: LLM) -> Prepared:
@@ -65,7 +87,8 @@ def prepare_completion(req: CompletionRequest, llm: LLM) -> Prepared:
             raise bad_request(f"token id {bad} in prompt is outside the vocabulary [0, {vocab})", "prompt",
                               "invalid_value")
         ids = list(req.prompt)
-    return Prepared(ids, _params(req, llm, ids, req.max_tokens, "max_tokens", "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS))
+    params = _params(req, llm, ids, req.max_tokens, "max_tokens", "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return Prepared(ids, params, req.n or 1, req.best_of or req.n or 1)
 
 
 def prepare_chat(req: ChatCompletionRequest, llm: LLM) -> Prepared:
@@ -74,7 +97,8 @@ def prepare_chat(req: ChatCompletionRequest, llm: LLM) -> Prepared:
     except jinja2.TemplateError as exc:  # the model's template rejects this conversation
         raise bad_request(f"the model's chat template rejected the messages: {exc}", "messages") from None
     limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-    return Prepared(ids, _params(req, llm, ids, req.token_limit, limit_param, "messages", None))
+    return Prepared(ids, _params(req, llm, ids, req.token_limit, limit_param, "messages", None), req.n or 1,
+                    req.n or 1)
 
 
 def _params(req: CompletionRequest | ChatCompletionRequest, llm: LLM, ids: list[int], max_tokens: int | None,
@@ -128,37 +152,53 @@ def constraint_param(req: CompletionRequest | ChatCompletionRequest) -> str:
     return asked[2] if asked else "response_format"
 
 
-def spec_stats(output: GenerationOutput) -> SpecDecodeStats:
-    s = output.stats
-    return SpecDecodeStats(method=output.method, drafts=s.drafts, draft_tokens=s.draft_tokens,
-                           accepted_tokens=s.accepted_tokens, mean_acceptance_length=s.mean_acceptance_length,
-                           acceptance_rate=s.acceptance_rate, accepted_per_position=list(s.accepted_per_position))
+def spec_stats(outputs: Sequence[GenerationOutput]) -> SpecDecodeStats:
+    """The speculative-decoding statistics of one sample, or summed over several (vLLM's ratios
+    of the sums)."""
+    drafts = sum(o.stats.drafts for o in outputs)
+    draft_tokens = sum(o.stats.draft_tokens for o in outputs)
+    accepted = sum(o.stats.accepted_tokens for o in outputs)
+    per_position = [0] * max(len(o.stats.accepted_per_position) for o in outputs)
+    for o in outputs:
+        for i, count in enumerate(o.stats.accepted_per_position):
+            per_position[i] += count
+    return SpecDecodeStats(method=outputs[0].method, drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
+                           mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
+                           acceptance_rate=accepted / draft_tokens if draft_tokens else 0.0,
+                           accepted_per_position=per_position)
 
 
-def usage(output: GenerationOutput) -> Usage:
-    p, c, s = len(output.prompt_token_ids), len(output.token_ids), output.stats
-    details = CompletionTokensDetails(accepted_prediction_tokens=s.prediction_accepted,
-                                      rejected_prediction_tokens=s.prediction_rejected)
+def usage(outputs: Sequence[GenerationOutput]) -> Usage:
+    """The usage of samples of one prompt: the prompt once (its cached tokens are the first
+    sample's; the others copy its prefill), the completion tokens of every sample."""
+    p, c = len(outputs[0].prompt_token_ids), sum(len(o.token_ids) for o in outputs)
+    details = CompletionTokensDetails(accepted_prediction_tokens=sum(o.stats.prediction_accepted for o in outputs),
+                                      rejected_prediction_tokens=sum(o.stats.prediction_rejected for o in outputs))
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, completion_tokens_details=details,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=s.cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=outputs[0].stats.cached_tokens))
 
 
-def completion_body(model: str, output: GenerationOutput, tokenizer: Tokenizer) -> dict[str, Any]:
-    logprobs = None if output.logprobs is None else completion_logprobs(output.logprobs, tokenizer)
+def completion_body(model: str, choices: Sequence[GenerationOutput], samples: Sequence[GenerationOutput],
+                    tokenizer: Tokenizer) -> dict[str, Any]:
+    """The response with ``choices``; usage and statistics over every sample generated."""
     return CompletionResponse(
         id=_id("cmpl"), created=int(time.time()), model=model,
-        choices=[CompletionChoice(text=output.text, logprobs=logprobs, finish_reason=output.finish_reason)],
-        usage=usage(output), spec_decode=spec_stats(output),
+        choices=[CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason,
+                                  logprobs=None if o.logprobs is None else completion_logprobs(o.logprobs, tokenizer))
+                 for i, o in enumerate(choices)],
+        usage=usage(samples), spec_decode=spec_stats(samples),
     ).model_dump(mode="json")
 
 
-def chat_body(model: str, output: GenerationOutput, tokenizer: Tokenizer) -> dict[str, Any]:
-    logprobs = None if output.logprobs is None else chat_logprobs(output.logprobs, tokenizer)
+def chat_body(model: str, choices: Sequence[GenerationOutput], samples: Sequence[GenerationOutput],
+              tokenizer: Tokenizer) -> dict[str, Any]:
+    """The response with ``choices``; usage and statistics over every sample generated."""
     return ChatCompletionResponse(
         id=_id("chatcmpl"), created=int(time.time()), model=model,
-        choices=[ChatChoice(message=AssistantMessage(content=output.text), logprobs=logprobs,
-                            finish_reason=output.finish_reason)],
-        usage=usage(output), spec_decode=spec_stats(output),
+        choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+                            logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, tokenizer))
+                 for i, o in enumerate(choices)],
+        usage=usage(samples), spec_decode=spec_stats(samples),
     ).model_dump(mode="json")
 
 
@@ -188,53 +228,64 @@ def completion_logprobs(logprobs: list[TokenLogprob], tokenizer: Tokenizer, offs
 
 
 class ChunkWriter:
-    """One stream's Server-Sent Events, in OpenAI's order: (chat: a role chunk), text chunks, a
-    chunk with ``finish_reason`` and ``spec_decode``, (with ``include_usage``: a chunk with empty
-    ``choices``, ``usage`` and ``spec_decode``), then ``data: [DONE]``."""
+    """One stream's Server-Sent Events, in OpenAI's order: (chat: a role chunk per choice), text
+    chunks, for each choice a chunk with its ``finish_reason`` and ``spec_decode``, (with
+    ``include_usage``: a chunk with empty ``choices``, ``usage`` and ``spec_decode`` over all
+    choices), then ``data: [DONE]``. Each choice chunk carries its choice's ``index``; with ``n`` > 1
+    the choices' chunks interleave as their tokens come."""
 
     DONE = "data: [DONE]\n\n"
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, tokenizer: Tokenizer | None = None) -> None:
-        self.chat, self.model, self.include_usage, self.tokenizer = chat, model, include_usage, tokenizer
+    def __init__(self, chat: bool, model: str, include_usage: bool, tokenizer: Tokenizer | None = None,
+                 n: int = 1) -> None:
+        self.chat, self.model, self.include_usage, self.tokenizer, self.n = chat, model, include_usage, tokenizer, n
         self.id, self.created = _id("chatcmpl" if chat else "cmpl"), int(time.time())
-        self._offset = 0  # characters of token text sent so far (completions' text_offset)
+        self._offsets = [0] * n  # characters of token text sent so far per choice (completions' text_offset)
 
     def start(self) -> list[str]:
-        return [self._chunk(ChatDelta(role="assistant", content=""))] if self.chat else []
+        """The role chunk of each choice (chat), before any text."""
+        if not self.chat:
+            return []
+        return [self._chunk(ChatDelta(role="assistant", content=""), index=i) for i in range(self.n)]
 
-    def text(self, piece: str, logprobs: list[TokenLogprob] | None = None) -> str:
-        """A chunk with the step's text and, when asked for, its tokens' logprobs."""
+    def text(self, piece: str, logprobs: list[TokenLogprob] | None = None, index: int = 0) -> str:
+        """A chunk with the step's text of choice ``index`` and, when asked for, its tokens' logprobs."""
         if logprobs and self.tokenizer is not None:
             if self.chat:
-                return self._chunk(ChatDelta(content=piece), logprobs=chat_logprobs(logprobs, self.tokenizer))
-            lps = completion_logprobs(logprobs, self.tokenizer, self._offset)
-            self._offset += sum(len(t) for t in lps.tokens)
-            return self._chunk(piece, logprobs=lps)
-        return self._chunk(ChatDelta(content=piece) if self.chat else piece)
+                return self._chunk(ChatDelta(content=piece), index=index,
+                                   logprobs=chat_logprobs(logprobs, self.tokenizer))
+            lps = completion_logprobs(logprobs, self.tokenizer, self._offsets[index])
+            self._offsets[index] += sum(len(t) for t in lps.tokens)
+            return self._chunk(piece, index=index, logprobs=lps)
+        return self._chunk(ChatDelta(content=piece) if self.chat else piece, index=index)
 
-    def end(self, output: GenerationOutput) -> list[str]:
-        stats = spec_stats(output)
-        events = [self._chunk(ChatDelta() if self.chat else "", output.finish_reason, stats=stats)]
-        if self.include_usage:
-            events.append(self._chunk(None, usage=usage(output), stats=stats))
-        return events + [self.DONE]
+    def finish(self, output: GenerationOutput, index: int = 0) -> str:
+        """Choice ``index``'s last chunk: its ``finish_reason`` and its own ``spec_decode``."""
+        return self._chunk(ChatDelta() if self.chat else "", output.finish_reason, index=index,
+                           stats=spec_stats([output]))
+
+    def close(self, outputs: Sequence[GenerationOutput]) -> list[str]:
+        """After every choice finished: the usage chunk (when asked for) and ``[DONE]``."""
+        if not self.include_usage:
+            return [self.DONE]
+        return [self._chunk(None, usage=usage(outputs), stats=spec_stats(outputs)), self.DONE]
 
     def error(self, err: APIError) -> list[str]:
         return [_sse(err.body()), self.DONE]
 
-    def _chunk(self, content: ChatDelta | str | None, finish: str | None = None, *,
+    def _chunk(self, content: ChatDelta | str | None, finish: str | None = None, *, index: int = 0,
                usage: Usage | None = None, stats: SpecDecodeStats | None = None,
                logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> str:
         """``content`` None makes the usage chunk (no choices)."""
         common = dict(id=self.id, created=self.created, model=self.model, usage=usage, spec_decode=stats)
         if self.chat:
-            choices = [] if content is None else [ChatChunkChoice(delta=content, finish_reason=finish,
+            choices = [] if content is None else [ChatChunkChoice(index=index, delta=content, finish_reason=finish,
                                                                   logprobs=logprobs)]
             body = ChatCompletionChunk(choices=choices, **common).model_dump(mode="json")
             for choice in body["choices"]:  # a delta carries only the keys it sets; {} at the end
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         else:
-            choices = [] if content is None else [CompletionChoice(text=content, finish_reason=finish,
+            choices = [] if content is None else [CompletionChoice(index=index, text=content, finish_reason=finish,
                                                                    logprobs=logprobs)]
             body = CompletionResponse(choices=choices, **common).model_dump(mode="json")
         if not self.include_usage:

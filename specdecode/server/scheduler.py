@@ -18,6 +18,12 @@ prefills only the rest; a request whose cache does not fit the memory budget fai
 :class:`KVCacheFullError` (HTTP 503). A bounded wait queue turns overload into an immediate
 :class:`ServerBusyError` (HTTP 429) instead of unbounded latency. Cancelling a job (client
 disconnect) drops it at the next step, its cache kept for a retry.
+
+Samples of one prompt (OpenAI's ``n`` and ``best_of``: :meth:`Scheduler.submit_samples`) queue as
+one entry and are admitted together, each a job of its own with its own slot: their caches are
+taken at once, so the memory budget counts all of them (one that does not fit fails them all with
+``KVCacheFullError``), and the first job's prefill serves the others (``Batch.add(...,
+shares=first)``): the prompt runs once.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import collections
 import dataclasses
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +97,7 @@ class JobQueue(ABC):
     running: int = 0  # requests generating now
     waiting: int = 0  # requests queued behind them
     step_k: int | None = None  # the most drafts the policy allowed a request in the last step (None: no step yet)
+    max_samples: int | None = None  # the most samples of one prompt submit_samples takes (None: no limit)
 
     @property
     def alive(self) -> bool:
@@ -100,6 +107,19 @@ class JobQueue(ABC):
     @abstractmethod
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         """Queue a request: a job to iterate for its ``StreamEvent``s, and to ``cancel()``."""
+
+    def submit_samples(self, prompt_ids: list[int], params: Sequence[SamplingParams]) -> list[Any]:
+        """Queue samples of one prompt, one job per ``params``; by default independent requests,
+        all queued or none."""
+        jobs: list[Any] = []
+        try:
+            for p in params:
+                jobs.append(self.submit(prompt_ids, p))
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        return jobs
 
 
 class Scheduler(JobQueue):
@@ -119,8 +139,9 @@ class Scheduler(JobQueue):
         self.k = k or llm.spec.num_speculative_tokens
         self.spec = dataclasses.replace(llm.spec, method=method or llm.spec.method, num_speculative_tokens=self.k)
         self.max_concurrency, self.max_queue = max_concurrency, max_queue
+        self.max_samples = max_concurrency  # samples of one prompt run at once, a slot each
         self.k_by_load = k_by_load
-        self._queue: collections.deque[Job] = collections.deque()
+        self._queue: collections.deque[list[Job]] = collections.deque()  # a request's jobs (samples: several)
         self._lock = threading.Condition()
         self._running: set[Job] = set()
         self._closed = False
@@ -133,7 +154,7 @@ class Scheduler(JobQueue):
 
     @property
     def waiting(self) -> int:
-        return sum(not job.cancelled.is_set() for job in list(self._queue))
+        return sum(not job.cancelled.is_set() for jobs in list(self._queue) for job in jobs)
 
     @property
     def alive(self) -> bool:
@@ -142,20 +163,33 @@ class Scheduler(JobQueue):
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job:
         """Queue a request; call from the event loop. Raises ServerBusyError when full."""
-        job = Job(list(prompt_ids), params, asyncio.get_running_loop())
-        self.llm.engine.check_prompt(job.prompt_ids)
+        return self.submit_samples(prompt_ids, [params])[0]
+
+    def submit_samples(self, prompt_ids: list[int], params: Sequence[SamplingParams]) -> list[Job]:
+        """Queue samples of one prompt, admitted together (see the module docstring); call from the
+        event loop. Raises ServerBusyError when they do not all fit the queue, ValueError when
+        there are more than ``max_samples``."""
+        if not 1 <= len(params) <= self.max_samples:
+            raise ValueError(f"{len(params)} samples, but the scheduler runs 1 to {self.max_samples} at once")
+        loop = asyncio.get_running_loop()
+        jobs = [Job(list(prompt_ids), p, loop) for p in params]
+        self.llm.engine.check_prompt(jobs[0].prompt_ids)
         with self._lock:
             if not self.alive:
                 raise ServerBusyError("the server is shutting down; retry on another instance")
             self._drop_cancelled_waiters()  # abandoned requests must not hold queue places
-            if len(self._queue) + len(self._running) >= self.max_concurrency + self.max_queue:
+            if self._held() + len(jobs) > self.max_concurrency + self.max_queue:
                 raise ServerBusyError(
                     f"server is at capacity ({self.max_concurrency} running, {self.max_queue} waiting); "
                     "retry shortly"
                 )
-            self._queue.append(job)
+            self._queue.append(jobs)
             self._lock.notify()
-        return job
+        return jobs
+
+    def _held(self) -> int:  # holding the lock
+        """Places taken: running jobs and queued ones."""
+        return len(self._running) + sum(len(jobs) for jobs in self._queue)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop: every queued or running request ends at once without an output (the HTTP layer
@@ -167,9 +201,10 @@ class Scheduler(JobQueue):
         self._thread.join(timeout=timeout)
 
     def _drop_cancelled_waiters(self) -> None:  # holding the lock
-        for job in [j for j in self._queue if j.cancelled.is_set()]:
-            self._queue.remove(job)
-            job._emit(_DONE)
+        for jobs in [js for js in self._queue if all(j.cancelled.is_set() for j in js)]:
+            self._queue.remove(jobs)
+            for job in jobs:
+                job._emit(_DONE)
 
     def _work(self) -> None:
         cap = None if self.k_by_load is None else self.k_by_load.cap
@@ -181,13 +216,15 @@ class Scheduler(JobQueue):
                 if self._closed:
                     break
                 self._drop_cancelled_waiters()
-                admitted = []
-                while self._queue and len(batch) + len(admitted) < self.max_concurrency:
-                    job = self._queue.popleft()
-                    self._running.add(job)
-                    admitted.append(job)
-            for job in admitted:
-                self._begin(batch, job)
+                admitted: list[list[Job]] = []
+                slots = self.max_concurrency - len(batch)
+                while self._queue and len(self._queue[0]) <= slots:  # samples of one prompt start together
+                    jobs = self._queue.popleft()
+                    self._running.update(jobs)
+                    admitted.append(jobs)
+                    slots -= len(jobs)
+            for jobs in admitted:
+                self._begin(batch, jobs)
             try:
                 outcome = batch.step()
             except Exception as exc:  # noqa: BLE001 - a bug: fail the requests in hand, keep serving
@@ -204,21 +241,28 @@ class Scheduler(JobQueue):
                 self._release(member.tag)
         with self._lock:  # closed: end everything still here
             left = [member.tag for member in batch.drop_all(kept=True)]
-            for job in list(self._queue) + left + list(self._running):
+            for job in [j for jobs in self._queue for j in jobs] + left + list(self._running):
                 self._release(job)
             self._queue.clear()
 
-    def _begin(self, batch: Batch, job: Job) -> None:
-        """Admit ``job`` to ``batch`` with a cache (from the prefix cache, which may hold the start
-        of its prompt) and a drafter of its own; the rest of its prompt runs there."""
+    def _begin(self, batch: Batch, jobs: list[Job]) -> None:
+        """Admit ``jobs`` (one request, or samples of one prompt) to ``batch``, each with a cache
+        and a drafter of its own. The first cache comes from the prefix cache, which may hold the
+        start of the prompt, and the rest of the prompt runs there; the other samples wait for
+        that prefill and copy it."""
         try:
-            engine, llm = self.llm.engine, self.llm
-            capacity = min(engine.max_seq_len, len(job.prompt_ids) + job.params.max_tokens)
-            gen = engine.begin(job.prompt_ids, job.params, llm.new_drafter(self.spec.method, capacity), self.spec)
-            batch.add(gen, job, job.cancelled.is_set)
+            engine, llm, first = self.llm.engine, self.llm, jobs[0]
+            capacity = min(engine.max_seq_len, len(first.prompt_ids) + first.params.max_tokens)
+            drafters = [llm.new_drafter(self.spec.method, capacity) for _ in jobs]
+            gens = engine.begin_samples(first.prompt_ids, [job.params for job in jobs], drafters, self.spec)
         except Exception as exc:  # noqa: BLE001 - delivered to the request's handler, which maps it to HTTP
-            job._emit(exc)
-            self._release(job)
+            for job in jobs:
+                job._emit(exc)
+                self._release(job)
+            return
+        leader = batch.add(gens[0], first, first.cancelled.is_set)
+        for gen, job in zip(gens[1:], jobs[1:]):
+            batch.add(gen, job, job.cancelled.is_set, shares=leader)
 
     def _release(self, job: Job) -> None:
         """Free the job's slot (its cache and drafter go with its Generation) and end its stream."""

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specdecode.params import MAX_LOGPROBS
+from specdecode.params import MAX_LOGPROBS, MAX_SAMPLES
 
 MAX_STOP_STRINGS = 16
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -90,7 +90,7 @@ class _GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # vLLM's extension: generate max_tokens even past EOS
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)  # samples of the prompt: choices 0..n-1
     logit_bias: dict[str, Any] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -121,7 +121,6 @@ class _GenerationRequest(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first option given that this server cannot honour."""
         checks: list[tuple[str, bool, str]] = [
-            ("n", (self.n or 1) > 1, "n > 1 is not supported: send one request per completion"),
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
             ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported (use 0)"),
             ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported (use 0)"),
@@ -173,7 +172,7 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one raw prompt, text or token ids."""
 
     prompt: str | list[int]
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)  # samples to return the best n of
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -197,7 +196,10 @@ class CompletionRequest(_GenerationRequest):
 
     def _own_checks(self) -> list[tuple[str, bool, str]]:
         return [
-            ("best_of", (self.best_of or 1) > 1, "best_of > 1 is not supported"),
+            ("best_of", self.best_of is not None and self.best_of < (self.n or 1),
+             "best_of must be at least n: it is how many samples the n choices are picked from"),
+            ("best_of", (self.best_of or 1) > 1 and bool(self.stream),
+             "best_of cannot be streamed: the best samples are known only when all have finished"),
             ("echo", bool(self.echo), "echo is not supported"),
             ("logprobs", self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be between 0 and {MAX_LOGPROBS}"),

@@ -5,7 +5,9 @@ must stop it at once. Both response paths watch the connection while the job run
 :class:`EventStreamResponse` (it listens for ``http.disconnect`` beside the writer, whatever ASGI
 spec version the server speaks), plain responses with :func:`collect`. Either way the events of a
 job pass through :meth:`TrackedJob.events`, whose ``finally`` cancels a job that did not finish
-and which records the timings and statistics of one that did.
+and which records the timings and statistics of one that did. A request for several samples of
+one prompt (``n`` > 1) has a job per sample, followed together by :func:`merged`: a client that
+leaves, or an error in one of them, stops them all.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -74,14 +76,48 @@ class TrackedJob:
                 await close()
 
 
-async def collect(tracked: TrackedJob, receive: Receive) -> GenerationOutput | None:
-    """Run a job to its output; None (and the job cancelled) if the client disconnects first."""
+async def merged(tracked: Sequence[TrackedJob]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """The events of ``tracked`` (the samples of one request) as they come, each with its job's
+    index; ends when every job has ended, raises the first error any of them meets. Closing it
+    early, or an error, cancels every job still running."""
+    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
 
-    async def run() -> GenerationOutput | None:
-        async with contextlib.aclosing(tracked.events()) as events:
+    async def follow(index: int, job: TrackedJob) -> None:
+        try:
+            async with contextlib.aclosing(job.events()) as events:
+                async for event in events:
+                    queue.put_nowait((index, event))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, None))
+
+    followers = [asyncio.ensure_future(follow(i, job)) for i, job in enumerate(tracked)]
+    try:
+        running = len(followers)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:  # a job still running is abandoned: its follower's cancellation cancels the job
+        for follower in followers:
+            follower.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+
+
+async def collect(tracked: Sequence[TrackedJob], receive: Receive) -> list[GenerationOutput] | None:
+    """Run the jobs of one request to their outputs; None (and the jobs cancelled) if the client
+    disconnects first."""
+
+    async def run() -> list[GenerationOutput] | None:
+        async with contextlib.aclosing(merged(tracked)) as events:
             async for _ in events:
                 pass
-        return tracked.output
+        return [job.output for job in tracked if job.output is not None]
 
     task = asyncio.ensure_future(run())
     watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
