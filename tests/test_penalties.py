@@ -1,6 +1,7 @@
 """Penalties and logit bias stay exact under speculation (tiny models): the pure function against
 the definitions written out by hand, each verify row penalised with the tokens before it (chains
-and trees), every method reproducing penalised plain decoding, and the penalised sampling law."""
+and trees), every method reproducing penalised plain decoding, the penalised sampling law, and
+the fields on the server and the CLI."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
+import openai
 import pytest
 import torch
+from server_support import LiveServer, assert_openai_error
 
 import specdecode.engine.generation as generation
 from specdecode import LLM, Constraint, SamplingParams
@@ -18,6 +21,8 @@ from specdecode.errors import InvalidSamplingParamsError
 from specdecode.sample.penalties import TokenCounts, apply_penalties
 from specdecode.sample.sampling import logits_to_probs
 from specdecode.sequence import DraftProposal
+from specdecode.server.app import create_app
+from specdecode.server.scheduler import Scheduler
 from tests.conftest import spec_k
 from tests.test_lossless import _prompt
 from tests.methods import SPEC_METHODS, RandomK
@@ -274,3 +279,56 @@ def test_sampled_law_with_penalties_is_exact(llm):
 def test_a_bias_outside_the_vocabulary_is_a_named_error(llm):
     with pytest.raises(InvalidSamplingParamsError, match="outside the vocabulary"):
         llm.generate("hi", SamplingParams(logit_bias={260: 1.0}))
+
+
+# --- the server and the CLI --------------------------------------------------------------------
+
+MODEL = "tiny-pair"
+FIELDS = {"presence_penalty": 0.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3, "logit_bias": {str(A): 3}}
+
+
+@pytest.fixture(scope="module")
+def live(tiny_pair):
+    target, draft = tiny_pair
+    served = LLM(model=str(target), draft=str(draft), method="draft_model", num_speculative_tokens=4,
+                 adaptive=False, max_seq_len=512, progress=False)
+    scheduler = Scheduler(served, max_concurrency=2, max_queue=8)
+    with LiveServer(create_app(served, scheduler, served_model_name=MODEL)) as server:
+        yield server
+    scheduler.close()
+
+
+def test_server_takes_the_fields_and_answers_like_the_library(live, llm):
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    params = SamplingParams(max_tokens=16, **PENALTIES)
+    extra = {"repetition_penalty": 1.3}  # vLLM's field, outside the openai client's signature
+    resp = client.completions.create(model=MODEL, prompt="abc abc", max_tokens=16, temperature=0,
+                                     presence_penalty=0.5, frequency_penalty=0.7, logit_bias={str(A): 3},
+                                     extra_body=extra)
+    assert resp.choices[0].text == llm.generate("abc abc", params, method="none")[0].text
+    assert resp.choices[0].text != llm.generate("abc abc", SamplingParams(max_tokens=16), method="none")[0].text
+    messages = [{"role": "user", "content": "Say hi."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                          presence_penalty=0.5, frequency_penalty=0.7, logit_bias={str(A): 3},
+                                          extra_body=extra)
+    assert chat.choices[0].message.content == llm.chat(messages, params).text
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("presence_penalty", 2.5, "less than or equal to 2"),
+    ("frequency_penalty", -3, "greater than or equal to -2"),
+    ("repetition_penalty", 0, "greater than 0"),
+    ("repetition_penalty", "1.2", "valid number"),
+    ("logit_bias", {"abc": 1}, "token ids"),
+    ("logit_bias", {"-5": 1}, "token ids"),
+    ("logit_bias", {"5": 101}, "[-100, 100]"),
+    ("logit_bias", {"5": "1"}, "[-100, 100]"),
+    ("logit_bias", [5], "map token ids"),
+    ("logit_bias", {"260": 1}, "outside the vocabulary [0, 260)"),
+])
+def test_bad_values_get_a_400_naming_the_field(live, field, value, words):
+    for path, body in [("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions",
+                                                             {"messages": [{"role": "user", "content": "a"}]})]:
+        status, got = live.post(path, {"model": MODEL, "max_tokens": 2, field: value, **body})
+        err = assert_openai_error(status, got, 400)
+        assert err["param"] == field and words in err["message"], err
