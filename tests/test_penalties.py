@@ -5,6 +5,7 @@ the fields on the server and the CLI."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -17,6 +18,7 @@ from server_support import LiveServer, assert_openai_error
 
 import specdecode.engine.generation as generation
 from specdecode import LLM, Constraint, SamplingParams
+from specdecode.cli import main as cli_main
 from specdecode.errors import InvalidSamplingParamsError
 from specdecode.sample.penalties import TokenCounts, apply_penalties
 from specdecode.sample.sampling import logits_to_probs
@@ -332,3 +334,19 @@ def test_bad_values_get_a_400_naming_the_field(live, field, value, words):
         status, got = live.post(path, {"model": MODEL, "max_tokens": 2, field: value, **body})
         err = assert_openai_error(status, got, 400)
         assert err["param"] == field and words in err["message"], err
+
+
+def test_cli_flags(tiny_pair, llm, capsys):
+    target, _ = tiny_pair
+    args = ["generate", "--model", str(target), "--prompt", "abc abc", "--max-tokens", "10", "--json",
+            "--presence-penalty", "0.5", "--frequency-penalty", "0.7", "--repetition-penalty", "1.3",
+            "--logit-bias", f"{A}=3", "--logit-bias", f"{B}=-1.5"]
+    assert cli_main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    params = SamplingParams(max_tokens=10, **{**PENALTIES, "logit_bias": {A: 3.0, B: -1.5}})
+    assert report["token_ids"] == llm.generate("abc abc", params, method="none")[0].token_ids
+    assert cli_main(args[:-2] + ["--presence-penalty", "3"]) == 2
+    assert "presence_penalty must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(args + ["--logit-bias", "97:3"])
+    assert exit_.value.code == 2 and "expected ID=BIAS" in capsys.readouterr().err
