@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specdecode.errors import InvalidSamplingParamsError
@@ -23,6 +24,8 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 # Samples of one prompt in one call (``n``, ``best_of``): each decodes as a request of its own
 # beside the others, with a KV cache of its own.
 MAX_SAMPLES = 16
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's API defines them
+MAX_LOGIT_BIAS = 100.0  # a token's bias lies in [-100, 100], as OpenAI's API defines it
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
 
 
@@ -70,6 +73,13 @@ class SamplingParams:
     # what the output is expected to be close to (OpenAI's predicted outputs, e.g. the file being
     # edited), as text or token ids: drafted from for free; the output stays the target's
     prediction: str | tuple[int, ...] | None = None
+    # Penalties and bias on the target's logits (sample/penalties.py): presence and frequency
+    # count the generated tokens, repetition the prompt's and the generated ones.
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted from a generated token's logit once per occurrence
+    repetition_penalty: float = 1.0  # > 0: a seen token's positive logit divided by it, others multiplied
+    # token id -> bias added to its logit; given as a mapping, kept as (id, bias) pairs by id
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string is a common call shape
@@ -99,10 +109,51 @@ class SamplingParams:
             object.__setattr__(self, "prediction", tuple(ids))
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InvalidSamplingParamsError("constraint must be a specdecode.Constraint")
+        self._check_penalties()
         if self.constraint is not None and self.ignore_eos:
             raise InvalidSamplingParamsError("ignore_eos cannot be combined with a constraint: once the grammar is "
                                              "complete, end of sequence is the only token it allows")
 
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidSamplingParamsError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidSamplingParamsError(f"repetition_penalty must be a number > 0 (1 = off), "
+                                             f"got {self.repetition_penalty!r}")
+        if self.logit_bias is None:
+            return
+        bias_map = self.logit_bias
+        if not isinstance(bias_map, (Mapping, tuple, list)):
+            raise InvalidSamplingParamsError("logit_bias must map token ids to biases, got "
+                                             f"{type(bias_map).__name__}")
+        pairs = list(bias_map.items()) if isinstance(bias_map, Mapping) else list(bias_map)
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise InvalidSamplingParamsError(f"logit_bias must map token ids to biases, got {pair!r}")
+            token, bias = pair
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise InvalidSamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidSamplingParamsError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} "
+                                                 f"for token {token}")
+        ids = [pair[0] for pair in pairs]
+        if len(set(ids)) != len(ids):
+            raise InvalidSamplingParamsError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)) or None)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty or a logit bias changes the target's logits (sample/penalties.py)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (not a bool): what a penalty or a bias may be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

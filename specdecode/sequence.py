@@ -79,6 +79,16 @@ class DraftProposal:
             depths.append(1 if p < 0 else depths[p] + 1)
         return depths
 
+    def row_paths(self) -> list[list[int]]:
+        """The drafts before each verify row, root first: none before row 0 (the last committed
+        token's); before row i + 1, draft i and its ancestors (a chain: drafts 0..i)."""
+        tokens = self.tokens.tolist()
+        parents = self.parents if self.parents is not None else range(-1, self.k - 1)
+        paths: list[list[int]] = [[]]
+        for token, parent in zip(tokens, parents):
+            paths.append(paths[parent + 1] + [token])
+        return paths
+
     def truncated(self, n: int) -> "DraftProposal":
         """The first ``n`` drafts (parents precede children, so a tree stays a tree)."""
         if n >= self.k:

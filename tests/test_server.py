@@ -409,8 +409,6 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo", "not supported"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "n": 4, "best_of": 3}, 400, "best_of", "at least n"),
     (COMPLETIONS, {"model": MODEL, "prompt": "a", "suffix": "z"}, 400, "suffix", "not supported"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
     (CHAT, {"model": MODEL, "messages": MSG, "n": 0}, 400, "n", "greater than or equal to 1"),
     (CHAT, {"model": MODEL, "messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs"),
     (CHAT, {"model": MODEL, "messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "between"),

@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the top K tokens; 0 = off (default)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_penalty_options(p)
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="compute dtype (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, help="context length to allocate (default: %(default)s)")
     add_draft_options(p)
@@ -54,6 +55,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     only.add_argument("--choice", action="append", metavar="TEXT",
                       help="the output is exactly one of these texts (repeat the flag for each)")
     p.set_defaults(run=run)
+
+
+def add_penalty_options(p: argparse.ArgumentParser) -> None:
+    """Penalties and logit bias on the target's logits; speculative output stays exactly the
+    penalised target's (sample/penalties.py)."""
+    g = p.add_argument_group("penalties (the output is exactly the penalised target's, under every method)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="subtract P (in [-2, 2]) from the logit of every token already generated (default: 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F (in [-2, 2]) from a token's logit per time it was generated (default: 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="for every token in the prompt or the output, divide a positive logit by R (> 0) and "
+                        "multiply a negative one (default: 1 = off)")
+    g.add_argument("--logit-bias", type=_bias_pair, action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit; -100 all but bans it (repeatable)")
+
+
+def _bias_pair(text: str) -> tuple[int, float]:
+    """``ID=BIAS`` as (token id, bias); the ranges are checked by SamplingParams."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 50256=-100), got {text!r}") from None
 
 
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
@@ -87,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs,
-                            constraint=constraint_from_args(args),
+                            constraint=constraint_from_args(args), presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            logit_bias=tuple(args.logit_bias) or None,
                             prediction=(read_user_text(args.prediction_file, "--prediction-file", MAX_PROMPT_FILE_BYTES)
                                         if args.prediction_file is not None else None))
     method = chosen_method(args)

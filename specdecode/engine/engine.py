@@ -18,7 +18,7 @@ from specdecode.engine.batch import Batch
 from specdecode.engine.generation import Generation, GenerationOutput, StreamEvent
 from specdecode.engine.policy import CostModel, SpeculationPolicy
 from specdecode.models.prefix_cache import PrefixCache, default_memory
-from specdecode.errors import PromptTooLongError
+from specdecode.errors import InvalidSamplingParamsError, PromptTooLongError
 from specdecode.models.cache import KVCache
 from specdecode.models.decoder import Decoder
 from specdecode.params import SamplingParams
@@ -62,6 +62,14 @@ class Engine:
                 "including at least one new token; shorten the prompt or raise max_seq_len"
             )
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: its logit bias names tokens of this vocabulary."""
+        vocab = self.target.config.vocab_size
+        outside = [token for token, _ in params.logit_bias or () if token >= vocab]
+        if outside:
+            raise InvalidSamplingParamsError(f"logit_bias names token id {outside[0]}, outside the vocabulary "
+                                             f"[0, {vocab})")
+
     def begin(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
               spec: SpecConfig = PLAIN, cache: KVCache | None = None, *, fresh: bool = False) -> Generation:
         """A checked new request on ``cache`` (default: one from the prefix cache, which may hold
@@ -73,6 +81,7 @@ class Engine:
         A drafter that reads the target's hidden states of every prompt token (an EAGLE head)
         gets a full prefill: a cached prefix carries keys and values, not hidden states."""
         self.check_prompt(prompt_ids)
+        self.check_params(params)
         grammar = None if params.constraint is None else self.grammars.matcher(params.constraint)
         if cache is not None:
             return Generation(prompt_ids, params, drafter, spec, self.tokenizer, cache, self.max_seq_len, grammar)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from specdecode.sample.grammar import TokenGrammar, apply_mask
 from specdecode.sample.logprobs import TokenLogprob, token_logprobs
+from specdecode.sample.penalties import TokenCounts
 from specdecode.sample.synthetic import verify_synthetic
 from specdecode.sample.verify import verify
 from specdecode.models.cache import KVCache
@@ -67,6 +68,11 @@ class Generation:
     drafts) and pass the logits to ``commit``; then ``finish`` returns the last event. The loop
     decides whether a forward is shared with other requests; the token decisions here never
     depend on it.
+
+    Each verify row's logits are processed before any token is chosen from them: penalties and
+    logit bias first (with the counts of the tokens before that row: ``sample/penalties.py``),
+    then the grammar mask. The acceptance rule, the drafter's ``observe`` and the reported
+    logprobs all see the processed logits, the distribution the request asked to sample from.
     """
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None, spec: SpecConfig,
@@ -94,6 +100,8 @@ class Generation:
         self.synthetic = spec.synthetic_acceptance  # None: the exact rules (see sample/synthetic.py)
         self.proposal = EMPTY_PROPOSAL
         self.grammar = grammar  # structured output: masks every position (sample/grammar.py)
+        # penalties and logit bias: their token counts (None: the request sets neither)
+        self.counts = TokenCounts(prompt_ids, params) if params.penalised else None
         self.forced_step = False  # this step's drafts are tokens the grammar forced, not the drafter's
         self.pruned = False  # the grammar cut some of this step's drafts
         self.accepted = 0  # drafts the last step kept
@@ -127,8 +135,7 @@ class Generation:
         """Take the prefill's last-row logits [1, V]: pick the first token, start the drafter."""
         _check_finite(logits)
         self.stats.prefill_s = time.perf_counter() - self.started
-        if self.grammar is not None:
-            logits = apply_mask(logits, self.grammar.mask().unsqueeze(0))
+        logits = self._processed(logits, EMPTY_PROPOSAL)
         new = self.stops.push(self.seq, [_pick(logits, self.seq)])
         self.stats.ttft_s = time.perf_counter() - self.started
         if self.drafter is not None and not self.finished:
@@ -155,6 +162,17 @@ class Generation:
         self.cache.copy_prefix(source, n)
         self.cached = self.stats.cached_tokens = n
         return self.start(logits)
+
+    def _processed(self, logits: Tensor, proposal: DraftProposal) -> Tensor:
+        """The verify rows [K + 1, V] of ``proposal`` (the first token's row: the empty proposal)
+        with penalties and logit bias applied, each row counting the output and the drafts on its
+        path, then the grammar's mask of that row's position."""
+        if self.counts is not None:
+            self.counts.count(self.seq.token_ids, self.seq.prompt_len)
+            logits = self.counts.apply(logits, proposal.row_paths())
+        if self.grammar is not None:
+            logits = apply_mask(logits, self.grammar.row_masks(proposal))
+        return logits
 
     def _event(self, new: list[int], rows: Tensor) -> StreamEvent:
         """The step's event for the committed tokens ``new``, chosen on ``rows`` (one per token);
@@ -242,8 +260,7 @@ class Generation:
         the rejected drafts from the cache, tell the drafter. ``forward_s``: the forward's time."""
         _check_finite(logits)
         seq, proposal, stats = self.seq, self.proposal, self.stats
-        if self.grammar is not None:
-            logits = apply_mask(logits, self.grammar.row_masks(proposal))
+        logits = self._processed(logits, proposal)
         if self.synthetic is not None and proposal.k:
             result = verify_synthetic(proposal, logits, seq.params, self.synthetic, seq.generator)
         else:

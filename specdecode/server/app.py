@@ -42,7 +42,6 @@ from specdecode.server.protocol import (
 )
 from specdecode.server.scheduler import JobQueue
 from specdecode.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from specdecode.server.streaming import EventStreamResponse, Job, TrackedJob, collect, merged
 
 log = logging.getLogger("specdecode.server")
 

@@ -103,7 +103,8 @@ def prepare_chat(req: ChatCompletionRequest, llm: LLM) -> Prepared:
 
 def _params(req: CompletionRequest | ChatCompletionRequest, llm: LLM, ids: list[int], max_tokens: int | None,
             limit_param: str, prompt_param: str, default_max: int | None) -> SamplingParams:
-    """Sampling settings, after checking that the prompt and ``max_tokens`` fit the context."""
+    """Sampling settings, after checking that the prompt and ``max_tokens`` fit the context and
+    that ``logit_bias`` names tokens of the vocabulary."""
     context = llm.engine.max_seq_len
     try:
         llm.engine.check_prompt(ids)
@@ -123,6 +124,11 @@ def _params(req: CompletionRequest | ChatCompletionRequest, llm: LLM, ids: list[
     except ValueError as exc:
         raise bad_request(str(exc), "response_format", "invalid_value") from None
     constraint = None if asked is None else Constraint(asked[0], asked[1])
+    vocab = llm.target.config.vocab_size
+    outside = next((t for t in req.logit_bias or {} if t >= vocab), None)
+    if outside is not None:
+        raise bad_request(f"logit_bias names token id {outside}, outside the vocabulary [0, {vocab})", "logit_bias",
+                          "invalid_value")
     if constraint is not None and req.ignore_eos:
         raise bad_request("ignore_eos cannot be combined with structured output: a finished grammar allows only "
                           "the end of the sequence", "ignore_eos", "invalid_value")
@@ -134,6 +140,9 @@ def _params(req: CompletionRequest | ChatCompletionRequest, llm: LLM, ids: list[
             top_k=max(0, req.top_k or 0), seed=req.seed, stop=req.stop, ignore_eos=bool(req.ignore_eos),
             logprobs=_logprobs(req), constraint=constraint,
             prediction=req.prediction.text() if req.prediction is not None else None,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias,
         )
     except SpecDecodeError as exc:
         raise from_spec_error(exc) from None

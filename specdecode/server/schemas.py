@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specdecode.params import MAX_LOGPROBS, MAX_SAMPLES
+from specdecode.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_SAMPLES
 
 MAX_STOP_STRINGS = 16
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -91,9 +91,10 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # vLLM's extension: generate max_tokens even past EOS
     n: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)  # samples of the prompt: choices 0..n-1
-    logit_bias: dict[str, Any] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None  # token id -> bias; JSON keys are the ids as strings
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's extension; 1 = off
     user: str | None = None  # an end-user id for the caller's own logs; changes nothing
     response_format: ResponseFormat | None = None  # OpenAI's on chat; vLLM also takes it on completions
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: json, regex, choice, grammar
@@ -114,6 +115,24 @@ class _GenerationRequest(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return tuple(value)
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> dict[int, float] | None:
+        """OpenAI's shape, ``{"50256": -100}``: token ids as decimal strings, biases in [-100, 100]."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError('logit_bias must map token ids to biases, e.g. {"50256": -100}')
+        bias: dict[int, float] = {}
+        for key, number in value.items():
+            token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+            if token is None:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0 as strings), got {key!r}")
+            if not _is_number(number) or not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {number!r} for token {key}")
+            bias[token] = float(number)
+        return bias
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -121,9 +140,6 @@ class _GenerationRequest(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first option given that this server cannot honour."""
         checks: list[tuple[str, bool, str]] = [
-            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported (use 0)"),
-            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported (use 0)"),
             ("stream_options", self.stream_options is not None and not self.stream,
              "stream_options is only allowed when stream is true"),
         ]
@@ -328,6 +344,10 @@ def _joined(content: str | list[Any] | None) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # --- responses --------------------------------------------------------------------------------

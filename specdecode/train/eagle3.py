@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specdecode.heads.eagle3 import Eagle3Config, Eagle3Head
