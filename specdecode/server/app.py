@@ -42,6 +42,7 @@ from specdecode.server.protocol import (
 )
 from specdecode.server.scheduler import JobQueue
 from specdecode.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from specdecode.server.streaming import EventStreamResponse, TrackedJob, collect, merged
 
 log = logging.getLogger("specdecode.server")
 
