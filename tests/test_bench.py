@@ -556,3 +556,5 @@ def test_last_code_block_is_the_prediction():
     text = "Fix it:\n```python\nx = 1\n```\nand this:\n```js\nlet y = 2;\n```\n<|im_end|>"
     assert last_code_block(text) == "```js\nlet y = 2;\n```"
     assert last_code_block("no code here") is None
+    asked = "Return it in one ```python block.\n\n```python\ndef f():\n    return 1\n```<|im_end|>"
+    assert last_code_block(asked) == "```python\ndef f():\n    return 1\n```"

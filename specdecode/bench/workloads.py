@@ -96,7 +96,8 @@ def limit_per_category(prompts: Iterable[Prompt], limit: int | None) -> list[Pro
     return kept
 
 
-_FENCED = re.compile(r"```[^\n`]*\n.*?```", re.DOTALL)
+# A fence opens and closes at the start of a line: "in one ```python block" inside a sentence is text.
+_FENCED = re.compile(r"^```[^\n`]*\n.*?^```", re.DOTALL | re.MULTILINE)
 
 
 def last_code_block(text: str) -> str | None:
