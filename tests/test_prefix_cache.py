@@ -215,6 +215,15 @@ def test_an_entry_too_small_for_the_request_is_copied_into_a_larger_cache():
     assert pool.used == 3 * 256
 
 
+def test_a_request_with_no_room_beside_its_prefix_starts_cold_instead_of_failing():
+    """The entry a branch would copy from takes one of two blocks, and the branch needs both: it
+    evicts the entry and prefills whole rather than being refused."""
+    pool = _pool(2)
+    _finish(pool, [1, 2, 3, 4, 5, 6])
+    lease = pool.take([1, 2, 7], 16)
+    assert lease.cached == 0 and len(pool) == 0 and pool.evictions == 1 and pool.hits == 0
+
+
 def test_a_kept_cache_shrinks_to_the_tokens_it_holds():
     pool = _pool(4)
     lease = pool.take([1, 2, 3], 32)

@@ -149,15 +149,19 @@ class PrefixCache:
             keep = min(common, prompt.shape[0] - 1)
         if entry is None or keep == 0:
             return Lease(self._allocate(capacity), 0)
-        self.hits += keep
         held = entry.ids.shape[0]
         if entry.cache.capacity >= capacity and keep >= held - keep:  # extends it: take it whole
+            self.hits += keep
             del self._idle[id(entry)]
             self._leased[id(entry.cache)] = _bytes(entry.cache)
             entry.cache.length = keep
             return Lease(entry.cache, keep)
         superseded = keep == held  # the copy holds all the entry holds: it can go after the copy
-        cache = self._allocate(capacity, pinned=entry, frees=_bytes(entry.cache) if superseded else 0)
+        try:
+            cache = self._allocate(capacity, pinned=entry, frees=_bytes(entry.cache) if superseded else 0)
+        except KVCacheFullError:  # no room beside the entry to copy from: start cold, evicting it too
+            return Lease(self._allocate(capacity), 0)
+        self.hits += keep
         cache.copy_prefix(entry.cache, keep)
         if superseded:
             self._drop(entry)
@@ -288,13 +292,20 @@ class PrefixCache:
         self.used -= _bytes(entry.cache)
 
     def _full_message(self, need: int) -> str:
-        mib = 2**20
         if need > self.budget:
-            return (f"this request's KV cache needs {need / mib:.0f} MiB, more than the whole KV cache budget of "
-                    f"{self.budget / mib:.0f} MiB; lower max_tokens or the prompt, or raise --kv-cache-memory")
-        return (f"this request's KV cache needs {need / mib:.0f} MiB but running requests hold "
-                f"{self.used / mib:.0f} of the {self.budget / mib:.0f} MiB KV cache budget; retry shortly, "
+            return (f"this request's KV cache needs {_size(need)}, more than the whole KV cache budget of "
+                    f"{_size(self.budget)}; lower max_tokens or the prompt, or raise --kv-cache-memory")
+        return (f"this request's KV cache needs {_size(need)} but running requests hold "
+                f"{_size(self.used)} of the {_size(self.budget)} KV cache budget; retry shortly, "
                 "or raise --kv-cache-memory")
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point: 1.5 GiB, 96.0 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _bytes(cache: KVCache) -> int:

@@ -14,15 +14,18 @@ turn between the active requests' decode steps, so a long prompt delays the runn
 one chunk at a time, not by its whole prefill; a request cancelled while its prompt runs stops
 at the next chunk. Each request takes its KV cache from the engine's prefix cache and hands it
 back when it ends (``models/prefix_cache.py``): a prompt that starts like an earlier request's
-prefills only the rest; a request whose cache does not fit the memory budget fails with
+prefills only the rest. A request whose cache does not fit the memory budget beside the running
+requests' waits at the head of the queue, and no later request overtakes it, until a running one
+leaves (first come, first served: a large request is not starved by a stream of small ones); one
+that does not fit with nothing running (larger than the whole budget) fails with
 :class:`KVCacheFullError` (HTTP 503). A bounded wait queue turns overload into an immediate
 :class:`ServerBusyError` (HTTP 429) instead of unbounded latency. Cancelling a job (client
 disconnect) drops it at the next step, its cache kept for a retry.
 
 Samples of one prompt (OpenAI's ``n`` and ``best_of``: :meth:`Scheduler.submit_samples`) queue as
 one entry and are admitted together, each a job of its own with its own slot: their caches are
-taken at once, so the memory budget counts all of them (one that does not fit fails them all with
-``KVCacheFullError``), and the first job's prefill serves the others (``Batch.add(...,
+taken at once, so the memory budget counts all of them (one that does not fit takes back them
+all, to wait or fail as one request), and the first job's prefill serves the others (``Batch.add(...,
 shares=first)``): the prompt runs once.
 """
 
@@ -40,7 +43,7 @@ from typing import Any
 from specdecode.api import LLM
 from specdecode.engine.batch import Batch
 from specdecode.engine.generation import StreamEvent
-from specdecode.errors import ServerBusyError
+from specdecode.errors import KVCacheFullError, ServerBusyError
 from specdecode.params import SamplingParams
 from specdecode.server.k_by_load import KSchedule
 
@@ -145,6 +148,7 @@ class Scheduler(JobQueue):
         self._lock = threading.Condition()
         self._running: set[Job] = set()
         self._closed = False
+        self.memory_waits = 0  # times the queue's head waited for a running request to free memory
         self._thread = threading.Thread(target=self._work, name="specdecode-scheduler", daemon=True)
         self._thread.start()
 
@@ -209,6 +213,7 @@ class Scheduler(JobQueue):
     def _work(self) -> None:
         cap = None if self.k_by_load is None else self.k_by_load.cap
         batch = Batch(self.llm.engine.target, self.llm.engine.policy, cap, self.llm.engine.caches)
+        memory_wait = False  # the queue's head waits for a running request to free memory
         while True:
             with self._lock:
                 while not self._queue and not len(batch) and not self._closed:
@@ -218,19 +223,24 @@ class Scheduler(JobQueue):
                 self._drop_cancelled_waiters()
                 admitted: list[list[Job]] = []
                 slots = self.max_concurrency - len(batch)
-                while self._queue and len(self._queue[0]) <= slots:  # samples of one prompt start together
+                while not memory_wait and self._queue and len(self._queue[0]) <= slots:  # samples start together
                     jobs = self._queue.popleft()
                     self._running.update(jobs)
                     admitted.append(jobs)
                     slots -= len(jobs)
-            for jobs in admitted:
-                self._begin(batch, jobs)
+            for i, jobs in enumerate(admitted):
+                if not self._begin(batch, jobs):  # no memory until a request leaves: wait, in order
+                    self._requeue(admitted[i:])
+                    self.memory_waits += 1
+                    memory_wait = True
+                    break
             try:
                 outcome = batch.step()
             except Exception as exc:  # noqa: BLE001 - a bug: fail the requests in hand, keep serving
                 for member in batch.drop_all():
                     member.tag._emit(exc)
                     self._release(member.tag)
+                memory_wait = False
                 continue
             self.step_k = batch.last_k
             for member, event in outcome.events:
@@ -239,30 +249,49 @@ class Scheduler(JobQueue):
                 member.tag._emit(error)
             for member in outcome.left:
                 self._release(member.tag)
+            memory_wait = memory_wait and not outcome.left and len(batch) > 0
         with self._lock:  # closed: end everything still here
             left = [member.tag for member in batch.drop_all(kept=True)]
             for job in [j for jobs in self._queue for j in jobs] + left + list(self._running):
                 self._release(job)
             self._queue.clear()
 
-    def _begin(self, batch: Batch, jobs: list[Job]) -> None:
+    def _begin(self, batch: Batch, jobs: list[Job]) -> bool:
         """Admit ``jobs`` (one request, or samples of one prompt) to ``batch``, each with a cache
         and a drafter of its own. The first cache comes from the prefix cache, which may hold the
         start of the prompt, and the rest of the prompt runs there; the other samples wait for
-        that prefill and copy it."""
+        that prefill and copy it. False, with nothing taken, when their caches do not fit beside
+        the running requests' (they may once one leaves); a request that fails otherwise gets
+        its error."""
         try:
             engine, llm, first = self.llm.engine, self.llm, jobs[0]
             capacity = min(engine.max_seq_len, len(first.prompt_ids) + first.params.max_tokens)
             drafters = [llm.new_drafter(self.spec.method, capacity) for _ in jobs]
             gens = engine.begin_samples(first.prompt_ids, [job.params for job in jobs], drafters, self.spec)
+        except KVCacheFullError as exc:
+            if len(batch):
+                return False
+            self._fail(jobs, exc)
+            return True
         except Exception as exc:  # noqa: BLE001 - delivered to the request's handler, which maps it to HTTP
-            for job in jobs:
-                job._emit(exc)
-                self._release(job)
-            return
+            self._fail(jobs, exc)
+            return True
         leader = batch.add(gens[0], first, first.cancelled.is_set)
         for gen, job in zip(gens[1:], jobs[1:]):
             batch.add(gen, job, job.cancelled.is_set, shares=leader)
+        return True
+
+    def _fail(self, jobs: list[Job], exc: BaseException) -> None:
+        for job in jobs:
+            job._emit(exc)
+            self._release(job)
+
+    def _requeue(self, requests: list[list[Job]]) -> None:
+        """Put admitted requests back at the head of the queue, in their order."""
+        with self._lock:
+            for jobs in reversed(requests):
+                self._running.difference_update(jobs)
+                self._queue.appendleft(jobs)
 
     def _release(self, job: Job) -> None:
         """Free the job's slot (its cache and drafter go with its Generation) and end its stream."""
