@@ -127,6 +127,7 @@ def test_llamacpp_peer_runs_both_modes_on_the_same_gguf(gguf_pair, stub_server, 
     for req in requests:  # our chat template's token ids, llama.cpp's fields, the same GGUF files
         assert all(isinstance(t, int) for t in req["body"]["prompt"]) and req["body"]["temperature"] == 0.0
         assert {k: req["body"][k] for k in REQUEST_EXTRA} == REQUEST_EXTRA
+        assert req["body"]["cache_prompt"] is True  # its prompt cache on, as our prefix cache is by default
         argv = req["argv"]
         assert argv[argv.index("-m") + 1] == str(target.resolve()) and argv[-6:-4] == ["--spec-draft-n-max", "8"]
     drafting = [r["argv"] for r in requests if "-md" in r["argv"]]

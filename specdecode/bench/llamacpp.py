@@ -13,7 +13,12 @@ for the generated token ids back (``return_tokens`` in llama.cpp's ``__verbose``
 report can say how many tokens of its greedy output agree with ours. They need not all agree:
 llama.cpp quantizes activations differently, so its model is a slightly different function of
 the same weights, and where two near-tied logits swap, the continuations part.
-``cache_prompt`` is off: our engine keeps no prompt cache between requests, so neither may.
+llama.cpp's prompt cache follows ours: with our prefix cache on (the default), each request sends
+``cache_prompt: true``, so its slot reuses the common prefix of the previous request (a
+conversation's earlier turns), as ours does; with ``--no-prefix-cache`` both prefill every turn
+whole. Ours is emptied before each conversation, and llama.cpp's one slot last held another
+conversation (contestants are interleaved per prompt), so neither carries a prompt over from one
+conversation to the next beyond the chat template's first tokens.
 """
 
 from __future__ import annotations
@@ -42,8 +47,8 @@ log = logging.getLogger(__name__)
 
 PLAIN, DRAFT = "llamacpp_target", "llamacpp_draft"
 STARTUP_TIMEOUT_S = 600.0
-# llama.cpp-specific request fields: token ids back, a fresh prompt evaluation each request.
-REQUEST_EXTRA = {"return_tokens": True, "verbose": True, "cache_prompt": False}
+# llama.cpp-specific request fields: token ids back (and ``cache_prompt``, set per bench).
+REQUEST_EXTRA = {"return_tokens": True, "verbose": True}
 
 
 def peer_gguf(model_dir: Path, progress: bool = True) -> Path:
@@ -149,8 +154,11 @@ class ServerProcess:
 def llamacpp_contestants(
     binary: Path, target_gguf: Path, draft_gguf: Path | None, *, threads: int, context: int, log_dir: Path,
     stack: ExitStack, timeout: float, extra_args: Sequence[str] = (), progress: bool = True,
+    cache_prompt: bool = True,
 ) -> tuple[list[Contestant], dict[str, dict[str, Any]]]:
-    """Start the servers (stopped when ``stack`` closes) and return their contestants and settings."""
+    """Start the servers (stopped when ``stack`` closes) and return their contestants and settings.
+    ``cache_prompt``: llama.cpp reuses its slot's cached prompt prefix (as our prefix cache does)."""
+    extra = {**REQUEST_EXTRA, "cache_prompt": cache_prompt}
     common = ["-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--no-webui"]
     specs = [(PLAIN, ["-m", str(target_gguf), *common])]
     if draft_gguf is not None:
@@ -167,10 +175,10 @@ def llamacpp_contestants(
         server.start()
         method = "draft_model" if name == DRAFT else "none"
         url = endpoint_url(server.url, "completions")
-        contestants.append(endpoint_contestant(url, name, "completions", timeout, extra=REQUEST_EXTRA, name=name,
+        contestants.append(endpoint_contestant(url, name, "completions", timeout, extra=extra, name=name,
                                                method=method, kind="peer"))
         settings[name] = {"library": f"llama.cpp {version}", "weights": "the same GGUF file(s)",
-                          "command": shlex.join(server.command), "request": json.dumps(REQUEST_EXTRA)}
+                          "command": shlex.join(server.command), "request": json.dumps(extra)}
     return contestants, settings
 
 

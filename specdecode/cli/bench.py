@@ -365,7 +365,7 @@ def _peer_contestants(args: argparse.Namespace, plan: Plan, llm: Any, draft: str
         lc, lc_settings = llamacpp_contestants(
             server, peer_gguf(target_dir, progress), peer_gguf(draft_dir, progress) if draft_dir else None,
             threads=_threads(), context=llm.engine.max_seq_len, log_dir=out, stack=stack, timeout=args.timeout,
-            extra_args=plan.llamacpp_args, progress=progress)
+            extra_args=plan.llamacpp_args, progress=progress, cache_prompt=args.prefix_cache)
         contestants += lc
         settings.update(lc_settings)
     return contestants, settings
