@@ -31,7 +31,7 @@ from specdecode.errors import UnsupportedModelError
 from specdecode.files import atomic_path, partial_path
 from specdecode.models import checks, kernel_build
 
-REPACK_VERSION = 2
+REPACK_VERSION = 3
 # GGML type id -> (name, inputs per block, bytes per block). The kernel's type codes are these ids.
 TYPES = {
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
@@ -117,7 +117,7 @@ def repack(raw: np.ndarray, type_name: str, out: int, inp: int) -> dict[str, np.
         planes["d"], planes["dm"] = f16(slice(0, 2)), f16(slice(2, 4))
         sc, mn = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
         planes["sc"] = sc.reshape(out, -1)
-        planes["mn"] = np.repeat(mn.reshape(out, -1, 8), 2, axis=-1).reshape(out, -1)  # one per 16 inputs
+        planes["mn"] = mn.reshape(out, -1)  # one per 32 inputs
         if type_name == "Q5_K":
             planes["qh"], planes["q"] = b[..., 16:48].reshape(out, -1), b[..., 48:176].reshape(out, -1)
         else:

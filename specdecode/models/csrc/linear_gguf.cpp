@@ -21,7 +21,7 @@
 // VPMADDUBSW and VPMADDWD, from AVX-512 VNNI or AVX-VNNI).
 //
 // Weight planes (made losslessly from the GGUF blocks by ``gguf_planes.py``), row-major per output:
-//   Q4_K: q [nb*128] nibbles as in GGUF, sc [nb*8], mn [nb*16] (each min twice), d, dm [nb] float
+//   Q4_K: q [nb*128] nibbles as in GGUF, sc [nb*8], mn [nb*8] (one per 32 inputs), d, dm [nb] float
 //   Q5_K: as Q4_K plus qh [nb*32];  Q6_K: q = ql [nb*128], qh [nb*64], sc [nb*16] int8, d [nb]
 //   Q4_0/Q4_1: q [nb*16], d [nb] (dm [nb]: Q4_1's min);  Q5_0/Q5_1: as those plus qh [nb*4]
 //   Q8_0: q [nb*32] int8, d [nb].  (nb: blocks per row of 256 or 32 inputs.)
@@ -215,7 +215,7 @@ void decode_k(const Part& w, int64_t j, int64_t b, uint8_t* v, int16_t* sc16, in
             }
             v[64 * c + l] = lo, v[64 * c + 32 + l] = hi;
         }
-    for (int g = 0; g < 16; ++g) sc16[g] = w.sc[i * 8 + g / 2], mn16[g] = w.mn[i * 16 + g];
+    for (int g = 0; g < 16; ++g) sc16[g] = w.sc[i * 8 + g / 2], mn16[g] = w.mn[i * 8 + g / 2];
 }
 
 // A 32-block as signed values (Q4_1 / Q5_1: unsigned values; their min is the dm plane).
@@ -554,7 +554,8 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
             __m256i lanes = k_lanes_natural<T>(w, i, a.row(r0) + b * 256);
             const __m256i bs = load32(reinterpret_cast<const int8_t*>(a.bs.data() + ab * 16));
             if constexpr (has_min) {
-                const __m256i mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16))), bs);
+                const __m128i mn8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + i * 8));
+                const __m256i mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8)), bs);  // per 16
                 const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(mins), _mm256_extracti128_si256(mins, 1));
                 const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
                 const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
@@ -572,8 +573,7 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
         const __m256 dw8 = _mm256_set1_ps(dw), dm8 = _mm256_set1_ps(dm);
         __m256i mnp[4];
         if constexpr (has_min) {  // int16 pairs (min of sub-block 2p, of 2p + 1)
-            const __m128i mn = _mm_cvtepu8_epi16(_mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mn + i * 16)),
-                                                                  _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1)));
+            const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + i * 8)));
             mnp[0] = _mm256_broadcastd_epi32(mn), mnp[1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
             mnp[2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), mnp[3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
         }
@@ -785,6 +785,8 @@ Part make_part(int type, int64_t out, int64_t in, const std::vector<torch::Tenso
     w.type = type, w.out = out, w.in = in, w.nb = in / block_of(type);
     w.q = bytes(p[0]), w.qh = bytes(p[1]), w.sc = bytes(p[2]), w.mn = bytes(p[3]), w.d = floats(p[4]), w.dm = floats(p[5]);
     TORCH_CHECK(p[4].numel() == out * w.nb, "need one scale per block");
+    TORCH_CHECK(!(type == Q4_K || type == Q5_K) || p[3].numel() == out * w.nb * 8,
+                "need one min per 32 inputs (planes repacked by an older version?)");
     return w;
 }
 
