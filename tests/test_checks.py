@@ -14,7 +14,7 @@ from specdecode.models.catalog import CatalogEntry, is_converted, pull, resolve_
 from specdecode.models.checks import Record, State
 from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
 from specdecode.models.gguf_load import native_weights
-from specdecode.models.gguf_planes import cache_path
+from specdecode.models.gguf_planes import REPACK_VERSION, cache_path
 from test_catalog import count_conversions, home, tiny_entry  # noqa: F401 - fixtures
 from test_files import _dead_pid
 
@@ -144,3 +144,16 @@ def test_pip_records_read_the_installed_packages_hashes() -> None:
     record = next(iter(records.values()))
     assert record is not None and record.size == files[0].stat().st_size and len(record.sha256) == 64
     assert checks.state(files[0], record, full=True) is State.OK  # pip's RECORD hash, decoded right
+
+
+def test_a_repack_removes_the_planes_of_earlier_versions(tiny_entry: CatalogEntry) -> None:
+    sources = catalog.find_weight_files(tiny_entry)
+    home = specdecode_home()
+    older = [cache_path(sources, home, version) for version in range(1, REPACK_VERSION)]
+    for path in older:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"planes of an old version")
+        checks.sidecar(path).write_text("{}")
+    native_weights(sources, progress=False)
+    assert cache_path(sources, home).is_file()
+    assert older and not any(p.exists() or checks.sidecar(p).exists() for p in older)

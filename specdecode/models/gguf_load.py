@@ -53,6 +53,7 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
             if "--quantize none" in str(exc):  # a property of the file, not of this machine
                 refused.write_text(str(exc))
             raise
+        _remove_older_versions(sources)
     try:
         weights = _read(cached)
     except Exception as exc:  # noqa: BLE001 - truncated or garbage planes: derived, so repack
@@ -62,6 +63,18 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
         weights = _read(cached)
     WATCH.watch(cached, lambda dest: _build(sources, dest, progress=False))  # same-size damage: hashed later
     return weights
+
+
+def _remove_older_versions(sources: list[Path]) -> None:
+    """Delete the planes earlier repack versions made of ``sources``: a version change repacks, and
+    the old cache (a gigabyte for the default target) would stay on disk unused. A process that
+    still maps one keeps reading it; the space returns when it exits."""
+    home = specdecode_home()
+    for version in range(1, gguf_planes.REPACK_VERSION):
+        old = gguf_planes.cache_path(sources, home, version)
+        if old.is_file():
+            log.info(f"specdecode: removing {old.name}, planes of an earlier repack version")
+            checks.remove_with_sidecar(old)
 
 
 def _build(sources: list[Path], cached: Path, progress: bool) -> None:

@@ -153,8 +153,9 @@ def check_type(tensor_name: str, type_name: str, inp: int) -> None:
                                     "run it dequantized with --quantize none")
 
 
-def cache_path(sources: Sequence[Path], home: Path) -> Path:
-    key = json.dumps([REPACK_VERSION] + [[str(Path(s).resolve()), Path(s).stat().st_size, Path(s).stat().st_mtime_ns]
+def cache_path(sources: Sequence[Path], home: Path, version: int = REPACK_VERSION) -> Path:
+    """Where the planes of ``sources`` repacked by ``version`` are cached."""
+    key = json.dumps([version] + [[str(Path(s).resolve()), Path(s).stat().st_size, Path(s).stat().st_mtime_ns]
                                          for s in sources])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return home / "native" / f"{Path(sources[0]).stem}-{digest}.safetensors"
