@@ -148,12 +148,12 @@ def test_pip_records_read_the_installed_packages_hashes() -> None:
 
 def test_a_repack_removes_the_planes_of_earlier_versions(tiny_entry: CatalogEntry) -> None:
     sources = catalog.find_weight_files(tiny_entry)
-    home = specdecode_home()
-    older = [cache_path(sources, home, version) for version in range(1, REPACK_VERSION)]
+    root = specdecode_home()
+    older = [cache_path(sources, root, version) for version in range(1, REPACK_VERSION)]
     for path in older:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"planes of an old version")
         checks.sidecar(path).write_text("{}")
     native_weights(sources, progress=False)
-    assert cache_path(sources, home).is_file()
+    assert cache_path(sources, root).is_file()
     assert older and not any(p.exists() or checks.sidecar(p).exists() for p in older)
