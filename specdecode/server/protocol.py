@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any
 
 import jinja2
@@ -24,10 +25,11 @@ import jinja2
 from specdecode.api import LLM
 from specdecode.params import GREEDY_BELOW, Constraint, SamplingParams
 from specdecode.engine.generation import GenerationOutput
+from specdecode.engine.stats import RequestStats
 from specdecode.engine.samples import best, sample_params
 from specdecode.sample.logprobs import TokenLogprob
 from specdecode.tokenizer import Tokenizer
-from specdecode.errors import PromptTooLongError, SpecDecodeError
+from specdecode.errors import InvalidSamplingParamsError, PromptTooLongError, SpecDecodeError
 from specdecode.server.http_errors import APIError, bad_request, from_spec_error
 from specdecode.server.schemas import (
     AssistantMessage,
@@ -124,16 +126,11 @@ def _params(req: CompletionRequest | ChatCompletionRequest, llm: LLM, ids: list[
     except ValueError as exc:
         raise bad_request(str(exc), "response_format", "invalid_value") from None
     constraint = None if asked is None else Constraint(asked[0], asked[1])
-    vocab = llm.target.config.vocab_size
-    outside = next((t for t in req.logit_bias or {} if t >= vocab), None)
-    if outside is not None:
-        raise bad_request(f"logit_bias names token id {outside}, outside the vocabulary [0, {vocab})", "logit_bias",
-                          "invalid_value")
     if constraint is not None and req.ignore_eos:
         raise bad_request("ignore_eos cannot be combined with structured output: a finished grammar allows only "
                           "the end of the sequence", "ignore_eos", "invalid_value")
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_BELOW else temperature,  # report it as greedy
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -146,6 +143,11 @@ def _params(req: CompletionRequest | ChatCompletionRequest, llm: LLM, ids: list[
         )
     except SpecDecodeError as exc:
         raise from_spec_error(exc) from None
+    try:
+        llm.engine.check_params(params)  # what only the model can check: logit_bias's token ids
+    except InvalidSamplingParamsError as exc:
+        raise bad_request(str(exc), "logit_bias", "invalid_value") from None
+    return params
 
 
 def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -163,18 +165,15 @@ def constraint_param(req: CompletionRequest | ChatCompletionRequest) -> str:
 
 def spec_stats(outputs: Sequence[GenerationOutput]) -> SpecDecodeStats:
     """The speculative-decoding statistics of one sample, or summed over several (vLLM's ratios
-    of the sums)."""
-    drafts = sum(o.stats.drafts for o in outputs)
-    draft_tokens = sum(o.stats.draft_tokens for o in outputs)
-    accepted = sum(o.stats.accepted_tokens for o in outputs)
-    per_position = [0] * max(len(o.stats.accepted_per_position) for o in outputs)
-    for o in outputs:
-        for i, count in enumerate(o.stats.accepted_per_position):
-            per_position[i] += count
-    return SpecDecodeStats(method=outputs[0].method, drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
-                           mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
-                           acceptance_rate=accepted / draft_tokens if draft_tokens else 0.0,
-                           accepted_per_position=per_position)
+    of the sums, as ``RequestStats`` defines them)."""
+    total = RequestStats(
+        drafts=sum(o.stats.drafts for o in outputs), draft_tokens=sum(o.stats.draft_tokens for o in outputs),
+        accepted_tokens=sum(o.stats.accepted_tokens for o in outputs),
+        accepted_per_position=[sum(counts) for counts in
+                               zip_longest(*(o.stats.accepted_per_position for o in outputs), fillvalue=0)])
+    return SpecDecodeStats(method=outputs[0].method, drafts=total.drafts, draft_tokens=total.draft_tokens,
+                           accepted_tokens=total.accepted_tokens, mean_acceptance_length=total.mean_acceptance_length,
+                           acceptance_rate=total.acceptance_rate, accepted_per_position=total.accepted_per_position)
 
 
 def usage(outputs: Sequence[GenerationOutput]) -> Usage:
