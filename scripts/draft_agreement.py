@@ -13,6 +13,11 @@ not calibrated on (``scripts/draft_vocab_rank.py --prompts bench`` writes such r
 
     python scripts/draft_agreement.py bench-results/s11-all/results.jsonl --quantize int8,int4
     python scripts/draft_agreement.py held_out.jsonl --quantize int4 --vocab 8192,16384,32768,65536,full
+
+With ``--traces PATH``, it also writes, for the first ``--quantize`` mode and the last ``--vocab``
+size, each answer's agreement position by position and the draft's probability of its own top
+token there (one JSON line per prompt): the greedy drafts a speculation policy would see, which
+``scripts/policy_sim.py`` replays.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main() -> None:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--quantize", default="int8,int4", help="comma-separated: none, int8, int4")
     p.add_argument("--vocab", default="full", help="comma-separated head sizes N (full: the whole head)")
+    p.add_argument("--traces", type=Path, help="write per-position agreement and draft confidence here (JSON lines)")
     args = p.parse_args()
     sizes = [s.strip() for s in args.vocab.split(",")]
     kept = {s: None if s == "full" else load_ranking().top(int(s)) for s in sizes}
@@ -45,7 +51,7 @@ def main() -> None:
     prompts = {pr.id: pr for pr in load_workloads(list(WORKLOAD_NAMES)) if pr.id in answers}
     path = resolve_model(args.draft)
     tokenizer = Tokenizer.from_dir(path)
-    draft_quant.INT4_MAX_ROWS = 1 << 30  # teacher forcing feeds whole answers: keep them on the int4 kernel
+    traces = []
     for mode in args.quantize.split(","):
         model = Decoder.from_dir(path, role="draft", quantize=None if mode == "none" else mode)
         hits = {s: 0 for s in sizes}
@@ -67,12 +73,20 @@ def main() -> None:
                     slot = per_category.setdefault(prompts[pid].category, [0, 0])
                     slot[0] += agree
                     slot[1] += len(answer)
+                    if args.traces and mode == args.quantize.split(",")[0]:
+                        probs = logits.float().softmax(-1) if ids is None else logits[:, ids].float().softmax(-1)
+                        traces.append({"prompt_id": pid, "category": prompts[pid].category, "prompt_tokens": len(context),
+                                       "match": (guess == truth).int().tolist(),
+                                       "p": [round(x, 4) for x in probs.max(-1).values.tolist()]})
             total += len(answer)
         for s in sizes:
             print(f"{mode} vocab {s}: agreement {hits[s] / total:.2%} of {total} tokens, "
                   f"target token in the head {covered[s] / total:.2%}")
         cats = ", ".join(f"{c} {h / n:.1%}" for c, (h, n) in per_category.items())
         print(f"{mode} vocab {sizes[-1]} by category: {cats}")
+    if args.traces:
+        args.traces.write_text("".join(json.dumps(t) + "\n" for t in traces))
+        print(f"traces of {len(traces)} answers: {args.traces}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.engine.costs import ROW_SHARE_PRIOR, RequestOutcome, RequestSpeculation, StepCosts, StepTimes
-from specdecode.engine.policy import MARGIN, PROBE_AFTER_MAX, PROBE_K, CostModel, DraftRequest, FixedK
+from specdecode.engine.policy import MARGIN, PRIOR_ACCEPTANCE, PROBE_AFTER_MAX, PROBE_K, CostModel, DraftRequest, FixedK
 
 STEP = 0.040  # one verify row, seconds
 
@@ -125,8 +125,25 @@ def test_recorded_steps_teach_acceptance_and_costs():
         policy.record(StepTimes(rows=5, verify_s=STEP + 4 * 0.005, requests=[RequestOutcome("ngram", state, 4, 0, 0.0)]))
     assert state.acceptance < 0.15 and policy.method_acceptance["ngram"] < 0.8
     assert policy.draft_lengths([request]) == [0]
-    fresh = DraftRequest("ngram", 12, 100, state=RequestSpeculation())  # a new request starts from the method's rate
-    assert policy.acceptance(fresh) == pytest.approx(policy.method_acceptance["ngram"])
+    # A new request starts no lower than the method's prior, so it drafts and gets measured: the
+    # method's low rate came from other requests.
+    fresh = DraftRequest("ngram", 12, 100, state=RequestSpeculation())
+    assert policy.acceptance(fresh) == pytest.approx(PRIOR_ACCEPTANCE)
+    assert policy.draft_lengths([fresh])[0] > 0
+
+
+def test_a_method_starts_from_its_prior_not_from_its_first_step():
+    """One all-refused first step moves the method's acceptance a little, not to zero; a method
+    measured above its prior starts new requests there."""
+    policy = CostModel(_costs(row_s=0.005))
+    state = RequestSpeculation()
+    policy.record(StepTimes(rows=3, verify_s=STEP + 0.01, requests=[RequestOutcome("draft_model", state, 2, 0, 0.0)]))
+    assert PRIOR_ACCEPTANCE - 0.1 < policy.method_acceptance["draft_model"] < PRIOR_ACCEPTANCE
+    for _ in range(8):  # 9 of every 10 drafts kept
+        policy.record(StepTimes(rows=11, verify_s=STEP + 0.05, requests=[RequestOutcome("draft_model", state, 10, 9, 0.0)]))
+    assert PRIOR_ACCEPTANCE < policy.method_acceptance["draft_model"] < 0.9
+    fresh = DraftRequest("draft_model", 12, 100)
+    assert policy.acceptance(fresh) == pytest.approx(policy.method_acceptance["draft_model"])
 
 
 def test_verify_costs_are_a_level_times_a_shape_read_through_a_fitted_line():
