@@ -73,6 +73,16 @@ def test_the_agent_workload_is_conversations_that_all_leaves_out():
     assert parse_workload_names("code,agent") == ["code", "agent"] and "agent" not in parse_workload_names("all")
 
 
+def test_the_agent_tools_workload_grows_by_tool_output():
+    """Each turn hands over a tool's output (a listing, a file, a test run...), so a session's
+    user turns alone run to thousands of characters, and ``all`` leaves it out too."""
+    [session] = load_workloads(["agent-tools"])
+    assert session.category == "agent-tools" and len(session.turns) == 10
+    assert all(t.startswith(("You are a coding agent", "Tool output:")) for t in session.turns)
+    assert sum(len(t) for t in session.turns) > 8000
+    assert "agent-tools" not in parse_workload_names("all")
+
+
 def test_specbench_loader_single_and_multi_turn(tmp_path):
     path = tmp_path / "question.jsonl"
     lines = [

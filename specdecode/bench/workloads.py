@@ -27,13 +27,13 @@ class Prompt:
 def _registry() -> dict[str, tuple[str | tuple[str, ...], ...]]:
     """Name -> prompts (a text, or a conversation's user turns); imported lazily so the CLI's
     start-up does not load prompt text."""
-    from specdecode.bench.prompts_agent import AGENT
+    from specdecode.bench.prompts_agent import AGENT, AGENT_TOOLS
     from specdecode.bench.prompts_code import CODE, CODE_EDIT, FILE_EDIT
     from specdecode.bench.prompts_other import MATH, TRANSLATION
     from specdecode.bench.prompts_text import CHAT, RAG, SUMMARIZATION
 
     return {"code": CODE, "code-edit": CODE_EDIT, "chat": CHAT, "summarization": SUMMARIZATION,
-            "rag": RAG, "math": MATH, "translation": TRANSLATION, "agent": AGENT,
+            "rag": RAG, "math": MATH, "translation": TRANSLATION, "agent": AGENT, "agent-tools": AGENT_TOOLS,
             "file-edit": FILE_EDIT}
 
 
@@ -41,7 +41,7 @@ def _registry() -> dict[str, tuple[str | tuple[str, ...], ...]]:
 WORKLOAD_NAMES: tuple[str, ...] = ("code", "code-edit", "chat", "summarization", "rag", "math", "translation")
 # Conversations that grow turn by turn (a prefix cache's case), chosen by name only: their later
 # turns stand on thousands of tokens, which ``all`` should not add to a run unasked.
-MULTI_TURN_WORKLOADS: tuple[str, ...] = ("agent",)
+MULTI_TURN_WORKLOADS: tuple[str, ...] = ("agent", "agent-tools")
 # Whole-file edits answered with the whole file (predicted outputs' case, ``--prediction``): long
 # answers, chosen by name only.
 NAMED_ONLY_WORKLOADS: tuple[str, ...] = (*MULTI_TURN_WORKLOADS, "file-edit")
