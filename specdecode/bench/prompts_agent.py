@@ -134,24 +134,14 @@ def test_restock_adds_to_low_items() -> None:
 
 _PYTEST = '''$ pytest -q
 ....F.F..
-=================================== FAILURES ===================================
-______________________________ test_round_cents _______________________________
-
-    def test_round_cents() -> None:
+____________________________ test_round_cents _____________________________
 >       assert round_cents(2.675) == 2.68
 E       assert 2.67 == 2.68
-E        +  where 2.67 = round_cents(2.675)
-
 tests/test_pricing.py:14: AssertionError
-___________________________ test_group_discount ______________________________
-
-    def test_group_discount() -> None:
-        prices = price_list(make_items(), group="wholesale")
+___________________________ test_group_discount ___________________________
 >       assert prices["bolt"] == 0.2
 E       KeyError: 'bolt'
-
 tests/test_pricing.py:22: KeyError
-=========================== short test summary info ============================
 FAILED tests/test_pricing.py::test_round_cents - assert 2.67 == 2.68
 FAILED tests/test_pricing.py::test_group_discount - KeyError: 'bolt'
 2 failed, 7 passed in 0.08s'''
@@ -172,13 +162,7 @@ def round_cents(amount: float) -> float:
 def price_list(items: list[Item], group: str = "retail") -> dict[str, float]:
     """Each item's price for ``group``, by item name."""
     discount = DISCOUNTS[group]
-    return {item.name.upper(): round_cents(item.price * (1 - discount)) for item in items}
-
-
-def order_total(items: list[Item], quantities: dict[str, int], group: str = "retail") -> float:
-    """What an order of ``quantities`` (by item name) costs ``group``."""
-    prices = price_list(items, group)
-    return round_cents(sum(prices[name] * qty for name, qty in quantities.items()))'''
+    return {item.name.upper(): round_cents(item.price * (1 - discount)) for item in items}'''
 
 _DIFF = '''$ git diff
 diff --git a/shop/pricing.py b/shop/pricing.py
