@@ -12,8 +12,8 @@ import threading
 import time
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
-                                    add_prefix_cache_options,
-                                    add_quantize_option, chosen_method, method_options)
+                                    add_prefix_cache_file_option, add_prefix_cache_options, add_quantize_option,
+                                    chosen_method, method_options, restore_prefix_cache, save_prefix_cache)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.errors import InvalidConfigError
 from specdecode.server.k_by_load import parse_k_by_load
@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help="context length to allocate: prompt plus new tokens (default: %(default)s)")
     add_prefix_cache_options(p)
+    add_prefix_cache_file_option(p, "read at start when it exists, written at shutdown (after the last "
+                                    "request ends), so a restarted server starts with the prefixes it kept")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; larger get HTTP 413 (default: %(default)s)")
     p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
               draft_temperature=args.draft_temperature, draft_vocab=args.draft_vocab,
               quantize=args.quantize, prefix_cache=args.prefix_cache, kv_cache_memory=args.kv_cache_memory,
               **method_options(args, [method]))
+    restore_prefix_cache(llm, args.prefix_cache_file)
     scheduler = Scheduler(llm, method=method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue, k_by_load=parse_k_by_load(args.k_by_load))
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
@@ -136,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         scheduler.close()
+        save_prefix_cache(llm, args.prefix_cache_file)  # no request runs now: the kept prefixes are final
     return 0
 
 
@@ -190,6 +194,8 @@ def _check(args: argparse.Namespace) -> None:
                                          and args.api_key == args.api_key.strip()):
         raise InvalidConfigError("--api-key must be printable ASCII without surrounding spaces: HTTP clients "
                                  "cannot send other characters in a header, so no request could match it")
+    if args.prefix_cache_file is not None and not args.prefix_cache:
+        raise InvalidConfigError("--prefix-cache-file keeps the prefix cache's prompts; drop --no-prefix-cache")
     if args.metrics_public and args.api_key is None:
         raise InvalidConfigError("--metrics-public applies with --api-key (without a key /metrics is open anyway)")
 

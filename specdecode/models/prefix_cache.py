@@ -32,11 +32,12 @@ depend on (``prefix_file``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,15 +250,18 @@ class PrefixCache:
         layers, heads, _, dim = probe.k.shape
         return {"kv_layers": layers, "kv_heads": heads, "head_dim": dim, "kv_dtype": str(probe.k.dtype)}
 
-    def snapshot(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[list[tuple[Tensor, Tensor, Tensor]]]:
         """Every idle entry, least recently used first: its ids [L] and the keys and values of its
-        ``L`` slots, [layers, kv_heads, L, head_dim] each (views: copy before the pool changes)."""
+        ``L`` slots, [layers, kv_heads, L, head_dim] each. Views, so the pool stays locked while
+        the block reads them (a request taking an entry would write into it); requests that start
+        or end meanwhile wait."""
         with self._lock:
-            return [(e.ids, e.cache.k[:, :, : e.ids.shape[0]], e.cache.v[:, :, : e.ids.shape[0]])
-                    for e in self._idle.values()]
+            yield [(e.ids, e.cache.k[:, :, : e.ids.shape[0]], e.cache.v[:, :, : e.ids.shape[0]])
+                   for e in self._idle.values()]
 
     def adopt(self, entries: Iterable[tuple[Tensor, Tensor, Tensor]]) -> int:
-        """Keep ``entries`` (as ``snapshot`` gives them, least recently used first) as idle
+        """Keep ``entries`` (as ``frozen`` gives them, least recently used first) as idle
         entries, evicting older ones to make room; an entry that does not fit even so is skipped.
         Counts no hit: a hit is a request's. Returns the tokens of those still kept at the end."""
         with self._lock:

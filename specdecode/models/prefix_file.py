@@ -24,6 +24,7 @@ previous file or the complete new one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -97,18 +98,20 @@ def numerics_identity() -> dict[str, Any]:
 
 
 def save(path: Path, pools: Mapping[str, Pool]) -> dict[str, int]:
-    """Write every pool's idle entries to ``path`` atomically; tokens written per part."""
-    snapshots = {name: pool.cache.snapshot() for name, pool in pools.items()}
-    parts = {name: {"identity": pool.identity | pool.cache.layout(), "entries": len(snapshots[name])}
-             for name, pool in pools.items()}
-    tensors = [(f"{name}.{i}.{kind}", tensor) for name, entries in snapshots.items()
-               for i, entry in enumerate(entries) for kind, tensor in zip(("ids", "k", "v"), entry)]
-    try:
-        with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:
-            _write(f, json.dumps(parts, sort_keys=True), tensors)
-    except OSError as exc:
-        raise PrefixCacheFileError(f"cannot write the prefix cache file {path}: {exc.strerror or exc}") from None
-    return {name: sum(ids.shape[0] for ids, _, _ in entries) for name, entries in snapshots.items()}
+    """Write every pool's idle entries to ``path`` atomically; tokens written per part. The pools
+    stay locked while they are written (``PrefixCache.frozen``)."""
+    with contextlib.ExitStack() as stack:
+        snapshots = {name: stack.enter_context(pool.cache.frozen()) for name, pool in pools.items()}
+        parts = {name: {"identity": pool.identity | pool.cache.layout(), "entries": len(snapshots[name])}
+                 for name, pool in pools.items()}
+        tensors = [(f"{name}.{i}.{kind}", tensor) for name, entries in snapshots.items()
+                   for i, entry in enumerate(entries) for kind, tensor in zip(("ids", "k", "v"), entry)]
+        try:
+            with atomic_path(Path(path)) as tmp, open(tmp, "wb") as f:
+                _write(f, json.dumps(parts, sort_keys=True), tensors)
+        except OSError as exc:
+            raise PrefixCacheFileError(f"cannot write the prefix cache file {path}: {exc.strerror or exc}") from None
+        return {name: sum(ids.shape[0] for ids, _, _ in entries) for name, entries in snapshots.items()}
 
 
 def _write(f: BinaryIO, parts: str, tensors: list[tuple[str, Tensor]]) -> None:
