@@ -10,6 +10,8 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
                                     add_prefix_cache_file_option, add_prefix_cache_options, add_quantize_option,
@@ -20,6 +22,10 @@ from specdecode.server.k_by_load import parse_k_by_load
 from specdecode.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                            DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_CLIENT, connection_cap,
                                            guarded_protocol, quiet_accept_errors)
+
+if TYPE_CHECKING:
+    from specdecode.api import LLM
+    from specdecode.server.scheduler import Scheduler
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -114,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins,
                      allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
-                     metrics_public=args.metrics_public, body_timeout=args.body_timeout)
+                     metrics_public=args.metrics_public, body_timeout=args.body_timeout,
+                     on_shutdown=lambda: _save_at_shutdown(llm, scheduler, args.prefix_cache_file))
     if not _is_loopback(args.host) and not args.api_key:
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
@@ -139,8 +146,15 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         scheduler.close()
-        save_prefix_cache(llm, args.prefix_cache_file)  # no request runs now: the kept prefixes are final
     return 0
+
+
+def _save_at_shutdown(llm: LLM, scheduler: Scheduler, path: Path | None) -> None:
+    """The server's last act (its lifespan's end): stop the scheduler, so no request changes the
+    kept prefixes any more, then save them when ``--prefix-cache-file`` asks."""
+    if path is not None:
+        scheduler.close()
+        save_prefix_cache(llm, path)
 
 
 def _end_requests_after_grace(server, scheduler, grace: float) -> None:

@@ -270,9 +270,12 @@ class PrefixCache:
             kept = []
             for ids, k, v in entries:
                 held = ids.shape[0]
+                need = self._blocks(held) * self.slot_bytes
+                if need > self.budget:  # would evict everything, then not fit
+                    continue
                 try:
-                    self._make_room(self._blocks(held) * self.slot_bytes)
-                except KVCacheFullError:
+                    self._make_room(need)
+                except KVCacheFullError:  # running requests hold the room
                     continue
                 cache = self.new_cache(held)
                 cache.k[:, :, :held], cache.v[:, :, :held], cache.length = k, v, held
