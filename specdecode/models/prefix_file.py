@@ -74,11 +74,15 @@ def model_identity(decoder: Decoder, model_dir: Path, quantize: str | None) -> d
     mtime are what the packed and native weight caches are keyed by already, so a file they would
     reuse is one this accepts. Names, not paths: a folder moved with its files keeps its prefixes.
     Numerics: dtype, quantization, the backend class, and ``numerics_identity``."""
-    from specdecode.models.gguf_convert import MARKER_NAME, gguf_sources
+    from specdecode.errors import UnsupportedModelError
     from specdecode.models.config import config_fingerprint
+    from specdecode.models.gguf_convert import gguf_sources
 
     model_dir = Path(model_dir)
-    files = gguf_sources(model_dir) if (model_dir / MARKER_NAME).is_file() else sorted(model_dir.glob("*.safetensors"))
+    try:
+        files = gguf_sources(model_dir)
+    except UnsupportedModelError:  # not converted from a GGUF, or its GGUF is gone: the folder's weights
+        files = sorted(model_dir.glob("*.safetensors"))
     weights = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     return {"config": config_fingerprint(model_dir), "weights": weights, "dtype": str(decoder.dtype),
             "quantize": quantize or "none", "backend": type(decoder.backend).__name__, **numerics_identity()}
