@@ -31,7 +31,7 @@ from specdecode.errors import (InvalidConfigError, InvalidSamplingParamsError, U
                                VocabularyMismatchError)
 from specdecode.models.catalog import resolve_model
 from specdecode.models.gguf_convert import MARKER_NAME
-from specdecode.models import draft_quant
+from specdecode.models import draft_quant, prefix_file
 from specdecode.models.int8_rows import QUANTIZE_MODES
 from specdecode.models.decoder import Decoder
 from specdecode.drafters.self_spec.layers import default_skip, load_skip
@@ -118,6 +118,7 @@ class LLM:
         memory = parse_memory(kv_cache_memory) if kv_cache_memory is not None else None
         self.engine = Engine(self.target, self.tokenizer, max_seq_len, prefix_cache, memory)
         self.draft_prefixes: PrefixCache | None = None  # the draft model's, beside the engine's
+        self._draft_source: tuple[Path, str | None] | None = None  # its folder and quantization
         WATCH.on_damage(self.clear_prefix_cache)  # kept prefixes computed from damaged weights go with them
         self.draft_model: Decoder | None = None
         self.draft_tokenizer: Tokenizer | None = None  # set when the draft speaks another vocabulary
@@ -126,6 +127,7 @@ class LLM:
             draft_quantize = draft_quant.usable_mode(draft_quantize, dtype)
             draft_path = resolve_model(draft, progress=progress)
             self.draft_model = Decoder.from_dir(draft_path, dtype, role="draft", quantize=draft_quantize)
+            self._draft_source = (draft_path, draft_quantize)
             self.draft_tokenizer = self._foreign_tokenizer(draft, draft_path)
             if self.draft_tokenizer is None:  # the target's ids: its head may keep the frequent ones only
                 self.draft_model = restricted_draft(self.draft_model, self.spec.draft_vocab, DEFAULT_DRAFT_VOCAB,
@@ -154,6 +156,29 @@ class LLM:
         self.engine.caches.clear()
         if self.draft_prefixes is not None:
             self.draft_prefixes.clear()
+
+    def save_prefix_cache(self, path: str | Path) -> int:
+        """Write the kept prefixes (the target's, and the draft model's in their own part) to
+        ``path`` atomically, for ``load_prefix_cache`` in a later process; returns the target
+        tokens written. Raises ``PrefixCacheFileError`` when it cannot be written."""
+        return prefix_file.save(Path(path), self._prefix_pools())["target"]
+
+    def load_prefix_cache(self, path: str | Path) -> int:
+        """Restore prefixes saved by ``save_prefix_cache`` into this LLM's pools, each part only
+        when the model, dtype, quantization and numerics code it was saved with are this one's
+        (``models/prefix_file.py``: the output stays bitwise that of an uncached run). A draft
+        part that does not match (another draft, or none) is skipped with a warning, and the
+        reverse. Returns the tokens restored (both parts). Raises ``PrefixCacheFileError`` when
+        the file is unreadable, damaged, truncated or matches neither pool."""
+        return sum(prefix_file.load(Path(path), self._prefix_pools()).values())
+
+    def _prefix_pools(self) -> dict[str, prefix_file.Pool]:
+        pools = {"target": prefix_file.Pool(self.engine.caches,
+                                            prefix_file.model_identity(self.target, self.model_dir, self.quantize))}
+        if self.draft_prefixes is not None and self._draft_source is not None:
+            folder, mode = self._draft_source
+            pools["draft"] = prefix_file.Pool(self.draft_prefixes, prefix_file.model_identity(self.draft_model, folder, mode))
+        return pools
 
     def _foreign_tokenizer(self, draft: str, draft_path: Path) -> Tokenizer | None:
         """The draft's tokenizer when its drafts must be translated through text (another

@@ -87,3 +87,9 @@ class InvalidConstraintError(SpecDecodeError, ValueError):
 
 class VocabularyRankingError(SpecDecodeError):
     """A draft-vocabulary ranking that is unreadable, or made for another tokenizer than the draft's."""
+
+
+class PrefixCacheFileError(SpecDecodeError):
+    """A saved prefix cache file that cannot be used: unreadable, truncated, damaged (its checksum
+    differs), or made for another model, dtype or build, whose keys and values would not have the
+    bits a prefill here computes. Delete it, or let the next save rewrite it."""

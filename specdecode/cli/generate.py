@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
-                                    add_quantize_option, chosen_method, method_options)
+                                    add_prefix_cache_file_option, add_quantize_option, chosen_method, method_options,
+                                    restore_prefix_cache, save_prefix_cache)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.params import MAX_LOGPROBS, Constraint, SamplingParams
 from specdecode.errors import InvalidConfigError
@@ -40,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_quantize_option(p)
     add_method_options(p)
     p.add_argument("--compare", action="store_true",
-                   help="also run --method none on the same input and report speedup and identity")
+                   help="also run --method none on the same input and report speedup and identity (both "
+                        "timed runs start from the same prefix cache: empty, or --prefix-cache-file's)")
+    add_prefix_cache_file_option(p, "read before generating when it exists and written after (with --compare, "
+                                    "each timed run starts from the file's prefixes)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="report each token's log-probability and the N most likely tokens at its position "
@@ -127,20 +131,36 @@ def run(args: argparse.Namespace) -> int:
               draft_vocab=args.draft_vocab, quantize=args.quantize,
               **method_options(args, [method]))
     ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}]) if args.chat else llm.tokenizer.encode(prompt)
+    store = args.prefix_cache_file
     if not args.json and not args.compare:
+        restore_prefix_cache(llm, store)
         for event in llm.events(ids, params):
             print(event.text, end="", flush=True)
             out = event.output
         print()
+        save_prefix_cache(llm, store)
         _print_stats(out)
         _print_logprobs(out, llm.tokenizer)
         return 0
     if args.compare:  # the first forward pages the weights in; keep that out of both timings
         llm.generate(ids, SamplingParams(max_tokens=2))
-    llm.clear_prefix_cache()  # each run prefills the prompt whole: their times compare
+
+    readable = store
+
+    def start_alike() -> None:
+        """Each timed run starts from the same kept prefixes (none, or the file's): their times
+        compare. A file that could not be restored is not read (nor warned about) again."""
+        nonlocal readable
+        llm.clear_prefix_cache()
+        if not restore_prefix_cache(llm, readable):
+            readable = None
+
+    start_alike()
     [out] = llm.generate(ids, params)
-    llm.clear_prefix_cache()
+    if args.compare:
+        start_alike()
     base = llm.generate(ids, params, method="none")[0] if args.compare else None
+    save_prefix_cache(llm, store)
     if args.json:
         print(json.dumps(_report(out, base, llm.tokenizer)))
     else:

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from specdecode.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_DRAFT_VOCAB, DEFAULT_MODEL,
                                DEFAULT_SPECULATIVE_TOKENS, DRAFT_QUANTIZE_CHOICES, LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM,
                                LOOKAHEAD_WINDOW, default_method)
 from specdecode.drafters.registry import METHOD_NAMES, method_help
 
+if TYPE_CHECKING:
+    from specdecode.api import LLM
+
 METHOD_HELP = method_help()
+log = logging.getLogger("specdecode.cli")
 
 
 def add_method_flag(p: argparse.ArgumentParser, k_help: str) -> None:
@@ -60,6 +66,47 @@ def add_prefix_cache_options(p: argparse.ArgumentParser) -> None:
                         "512MiB; least recently used kept caches are evicted first, and a request that still "
                         "does not fit is refused (HTTP 503) rather than crash the process (default: a quarter "
                         "of this machine's memory, leaving the rest to the weights, the OS and other work)")
+
+
+def add_prefix_cache_file_option(p: argparse.ArgumentParser, when: str) -> None:
+    """``--prefix-cache-file PATH`` (serve, generate); ``when``: when this command reads and writes it."""
+    p.add_argument("--prefix-cache-file", type=Path, default=None, metavar="PATH",
+                   help=f"keep the prefix cache's kept prompts (their KV caches) in this file across runs, so a "
+                        f"long system prompt or document is prefilled once: {when}. The file records the model's "
+                        "weights, dtype, quantization and this build's numerics, and is used only where all of "
+                        "them match (output stays bitwise that of an uncached run); a missing, damaged or "
+                        "mismatched file is reported and the cache starts empty (default: none)")
+
+
+def restore_prefix_cache(llm: LLM, path: Path | None) -> bool:
+    """Load ``path`` into ``llm``'s prefix cache when it exists; whether it did. A file that
+    cannot be used is warned about and skipped, never fatal: it only saves time."""
+    from specdecode.errors import PrefixCacheFileError
+
+    if path is None or not path.exists():
+        return False
+    try:
+        tokens = llm.load_prefix_cache(path)
+    except PrefixCacheFileError as exc:
+        log.warning(f"specdecode: warning: not restoring the prefix cache: {exc}; starting with an empty one")
+        return False
+    log.info(f"specdecode: restored {tokens} kept prompt tokens from {path}")
+    return True
+
+
+def save_prefix_cache(llm: LLM, path: Path | None) -> None:
+    """Write ``llm``'s kept prefixes to ``path``; a failure is warned about, not fatal (the run's
+    own output is already out)."""
+    from specdecode.errors import PrefixCacheFileError
+
+    if path is None:
+        return
+    try:
+        tokens = llm.save_prefix_cache(path)
+    except PrefixCacheFileError as exc:
+        log.warning(f"specdecode: warning: the prefix cache was not saved: {exc}")
+        return
+    log.info(f"specdecode: saved {tokens} kept prompt tokens to {path}")
 
 
 def kv_memory_arg(text: str) -> int:

@@ -10,16 +10,22 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdecode.cli.options import (add_draft_options, add_method_flag, add_method_options, add_model_options,
-                                    add_prefix_cache_options,
-                                    add_quantize_option, chosen_method, method_options)
+                                    add_prefix_cache_file_option, add_prefix_cache_options, add_quantize_option,
+                                    chosen_method, method_options, restore_prefix_cache, save_prefix_cache)
 from specdecode.config import DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DTYPES
 from specdecode.errors import InvalidConfigError
 from specdecode.server.k_by_load import parse_k_by_load
 from specdecode.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                            DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PER_CLIENT, connection_cap,
                                            guarded_protocol, quiet_accept_errors)
+
+if TYPE_CHECKING:
+    from specdecode.api import LLM
+    from specdecode.server.scheduler import Scheduler
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -53,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help="context length to allocate: prompt plus new tokens (default: %(default)s)")
     add_prefix_cache_options(p)
+    add_prefix_cache_file_option(p, "read at start when it exists, written at shutdown (after the last "
+                                    "request ends), so a restarted server starts with the prefixes it kept")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; larger get HTTP 413 (default: %(default)s)")
     p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
@@ -106,12 +114,14 @@ def run(args: argparse.Namespace) -> int:
               draft_temperature=args.draft_temperature, draft_vocab=args.draft_vocab,
               quantize=args.quantize, prefix_cache=args.prefix_cache, kv_cache_memory=args.kv_cache_memory,
               **method_options(args, [method]))
+    restore_prefix_cache(llm, args.prefix_cache_file)
     scheduler = Scheduler(llm, method=method, k=args.k, max_concurrency=args.max_concurrency,
                           max_queue=args.max_queue, k_by_load=parse_k_by_load(args.k_by_load))
     app = create_app(llm, scheduler, args.api_key, served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origins,
                      allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
-                     metrics_public=args.metrics_public, body_timeout=args.body_timeout)
+                     metrics_public=args.metrics_public, body_timeout=args.body_timeout,
+                     on_shutdown=lambda: _save_at_shutdown(llm, scheduler, args.prefix_cache_file))
     if not _is_loopback(args.host) and not args.api_key:
         print(f"specdecode: warning: listening on {args.host} without --api-key: anyone who can reach "
               "this port can use the model", file=sys.stderr)
@@ -137,6 +147,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         scheduler.close()
     return 0
+
+
+def _save_at_shutdown(llm: LLM, scheduler: Scheduler, path: Path | None) -> None:
+    """The server's last act (its lifespan's end): stop the scheduler, so no request changes the
+    kept prefixes any more, then save them when ``--prefix-cache-file`` asks."""
+    if path is not None:
+        scheduler.close()
+        save_prefix_cache(llm, path)
 
 
 def _end_requests_after_grace(server, scheduler, grace: float) -> None:
@@ -190,6 +208,8 @@ def _check(args: argparse.Namespace) -> None:
                                          and args.api_key == args.api_key.strip()):
         raise InvalidConfigError("--api-key must be printable ASCII without surrounding spaces: HTTP clients "
                                  "cannot send other characters in a header, so no request could match it")
+    if args.prefix_cache_file is not None and not args.prefix_cache:
+        raise InvalidConfigError("--prefix-cache-file keeps the prefix cache's prompts; drop --no-prefix-cache")
     if args.metrics_public and args.api_key is None:
         raise InvalidConfigError("--metrics-public applies with --api-key (without a key /metrics is open anyway)")
 

@@ -23,17 +23,24 @@ entries least recently used first; running requests' caches are never evicted. A
 cannot fit even then gets ``KVCacheFullError`` instead of an out-of-memory crash. A kept cache
 much larger than the tokens it holds is first copied into one of their size (whole blocks). With
 ``enabled=False`` nothing is kept or looked up, but the budget still bounds the running caches.
+
+Disk: ``save`` and ``load`` carry the idle entries to a file and into a later process (a long
+system prompt or document prefilled once, not at every start), checked against what their bits
+depend on (``prefix_file``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -223,13 +230,67 @@ class PrefixCache:
             self.used += _bytes(copy)
             self._keep(token_ids[:held], copy)
 
-    def _keep(self, token_ids: Sequence[int], cache: KVCache) -> None:
+    def save(self, path: str | os.PathLike, identity: dict[str, Any], part: str = "target") -> int:
+        """Write the idle entries to ``path`` as ``part`` of a prefix cache file, under ``identity``
+        (what their bits depend on: ``prefix_file.model_identity``); returns the tokens written."""
+        from specdecode.models import prefix_file
+
+        return prefix_file.save(Path(path), {part: prefix_file.Pool(self, identity)})[part]
+
+    def load(self, path: str | os.PathLike, identity: dict[str, Any], part: str = "target") -> int:
+        """Restore ``part`` of the file at ``path`` when it was saved under an equal ``identity``;
+        returns the tokens restored. Raises ``PrefixCacheFileError`` on a mismatch or damage."""
+        from specdecode.models import prefix_file
+
+        return prefix_file.load(Path(path), {part: prefix_file.Pool(self, identity)})[part]
+
+    def layout(self) -> dict[str, Any]:
+        """The shape and dtype of a kept token's keys and values, part of a saved entry's identity."""
+        probe = self.new_cache(1)
+        layers, heads, _, dim = probe.k.shape
+        return {"kv_layers": layers, "kv_heads": heads, "head_dim": dim, "kv_dtype": str(probe.k.dtype)}
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[list[tuple[Tensor, Tensor, Tensor]]]:
+        """Every idle entry, least recently used first: its ids [L] and the keys and values of its
+        ``L`` slots, [layers, kv_heads, L, head_dim] each. Views, so the pool stays locked while
+        the block reads them (a request taking an entry would write into it); requests that start
+        or end meanwhile wait."""
+        with self._lock:
+            yield [(e.ids, e.cache.k[:, :, : e.ids.shape[0]], e.cache.v[:, :, : e.ids.shape[0]])
+                   for e in self._idle.values()]
+
+    def adopt(self, entries: Iterable[tuple[Tensor, Tensor, Tensor]]) -> int:
+        """Keep ``entries`` (as ``frozen`` gives them, least recently used first) as idle
+        entries, evicting older ones to make room; an entry that does not fit even so is skipped.
+        Counts no hit: a hit is a request's. Returns the tokens of those still kept at the end."""
+        with self._lock:
+            if not self.enabled:
+                return 0
+            kept = []
+            for ids, k, v in entries:
+                held = ids.shape[0]
+                need = self._blocks(held) * self.slot_bytes
+                if need > self.budget:  # would evict everything, then not fit
+                    continue
+                try:
+                    self._make_room(need)
+                except KVCacheFullError:  # running requests hold the room
+                    continue
+                cache = self.new_cache(held)
+                cache.k[:, :, :held], cache.v[:, :, :held], cache.length = k, v, held
+                self.used += _bytes(cache)
+                kept.append(self._keep(ids.tolist(), cache))
+            return sum(e.ids.shape[0] for e in kept if id(e) in self._idle)
+
+    def _keep(self, token_ids: Sequence[int], cache: KVCache) -> _Entry:
         """Add an idle entry (its bytes already counted), dropping the entries it extends."""
         ids = torch.tensor(list(token_ids), dtype=torch.long)
         for old in [e for e in self._idle.values() if common_prefix(e.ids, ids) == e.ids.shape[0]]:
             self._drop(old)  # the new entry serves every prompt the old one would, as far or further
         entry = _Entry(ids, cache)
         self._idle[id(entry)] = entry
+        return entry
 
     def discard(self, cache: KVCache) -> None:
         """Free a taken cache without keeping it (its request failed mid-forward)."""

@@ -15,7 +15,7 @@ import ipaddress
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -55,7 +55,8 @@ CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
 def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (),
-               metrics_public: bool = False, body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+               metrics_public: bool = False, body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+               on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """An app serving ``llm`` through ``scheduler``. With ``api_key``, every request needs
     ``Authorization: Bearer <api_key>`` before anything else is looked at (so an unknown caller
     learns no routes), except ``/health`` for probes and, with ``metrics_public``, ``/metrics``.
@@ -68,6 +69,10 @@ def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
     CORS is off unless ``cors_origins`` names the pages allowed (none by default). Nor can it
     read answers through DNS rebinding (its own host name resolved to this server): requests
     must name the server by an IP address, ``localhost`` or one of ``allowed_hosts`` ("*": any).
+
+    ``on_shutdown`` runs when the server shuts down (its lifespan's end, after the connections
+    closed), e.g. to save the prefix cache: uvicorn ends the process on the signal it stopped for
+    right after, so code after ``server.run`` may never run.
     """
     served = served_model_name or llm.model_name
     names = {served, llm.model_name}
@@ -76,7 +81,13 @@ def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
     metrics = ServerMetrics(scheduler, served, method, k, llm.engine.caches)
     created = int(time.time())
 
-    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None,
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
                   telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
     app.state.metrics = metrics
     if cors_origins:
