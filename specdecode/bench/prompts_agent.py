@@ -79,7 +79,7 @@ AGENT: tuple[tuple[str, ...], ...] = (
 # A coding agent's tool loop (``agent-tools``): each turn hands the model a tool's output (a
 # listing, a file, a test run, a diff, a type checker's report) and a short instruction, as an
 # agent harness does. Tool output, not the model's answers, makes the conversation grow, by some
-# 250 tokens a turn: the tenth turn stands on about 3000 tokens at 128 new tokens a turn.
+# 230 tokens a turn: the tenth turn stands on about 3300 tokens at 128 new tokens a turn.
 _LISTING = '''$ ls -R
 .:
 README.md  pyproject.toml  shop  tests
