@@ -82,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help="built-in workloads, comma-separated: code, code-edit, chat, "
                                         "summarization, rag, math, translation, or all of those; agent "
-                                        "(coding sessions growing turn by turn, TTFT reported per turn) "
-                                        "and file-edit (a whole file with one small change, answered with "
+                                        "(coding sessions growing turn by turn, TTFT reported per turn), "
+                                        "agent-tools (a coding agent's tool loop: each turn a tool's "
+                                        "output and a short instruction) and file-edit (a whole file with one small change, answered with "
                                         "the whole file: predicted outputs' case) by name only")
     src.add_argument("--dataset", type=Path,
                      help="Spec-Bench question.jsonl: one {question_id, category, turns} object a line")
