@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "attention.h"
 #include "lanes.h"
 
 namespace {
@@ -426,42 +427,6 @@ void rope(float* v, const float* cos, const float* sin, int64_t d) {
     }
 }
 
-// Softmax attention of one query q over keys/values 0..len-1 (rows of d, a multiple of 8) into o;
-// p: scratch of len rounded up to 8 floats. Each score is one FMA chain over d and each output one
-// chain over the keys; several run at once only to hide the FMA latency.
-void attend(const float* q, const float* k, const float* v, int64_t len, int64_t d, float scale, float* p, float* o) {
-    using namespace lanes;
-    constexpr int KEYS = 4;  // scores at a time
-    float top = -INFINITY;
-    for (int64_t t0 = 0; t0 < len; t0 += KEYS) {
-        const int64_t keys = std::min<int64_t>(KEYS, len - t0);
-        V8 acc[KEYS];
-        for (int j = 0; j < KEYS; ++j) acc[j] = splat(0.f);
-        for (int64_t c = 0; c < d; c += 8) {
-            const V8 qc = load(q + c);
-            for (int j = 0; j < keys; ++j) acc[j] = fma(qc, load(k + (t0 + j) * d + c), acc[j]);
-        }
-        for (int j = 0; j < keys; ++j) top = std::max(top, p[t0 + j] = reduce8(acc[j]) * scale);
-    }
-    const int64_t padded = (len + 7) / 8 * 8;
-    std::fill(p + len, p + padded, top);
-    for (int64_t t = 0; t < padded; t += 8) store(p + t, exp8(sub(load(p + t), splat(top))));
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) sum += p[t];
-    for (int64_t t = 0; t < len; ++t) p[t] /= sum;
-    constexpr int64_t SPAN = 64;  // outputs at a time: 8 registers
-    for (int64_t c0 = 0; c0 < d; c0 += SPAN) {
-        const int64_t regs = std::min(SPAN, d - c0) / 8;
-        V8 acc[SPAN / 8];
-        for (int j = 0; j < SPAN / 8; ++j) acc[j] = splat(0.f);
-        for (int64_t t = 0; t < len; ++t) {
-            const V8 w = splat(p[t]);
-            for (int64_t j = 0; j < regs; ++j) acc[j] = fma(w, load(v + t * d + c0 + 8 * j), acc[j]);
-        }
-        for (int64_t j = 0; j < regs; ++j) store(o + c0 + 8 * j, acc[j]);
-    }
-}
-
 struct Layer {
     const float* in_norm;
     const float* post_norm;
@@ -607,7 +572,7 @@ class Int4Draft {
         const int64_t width = (hq + 2 * hkv) * d, inter = layers_.empty() ? 0 : layers_[0].down.in;
         const float scale = 1.f / std::sqrt(static_cast<float>(d));
         Acts a;
-        std::vector<float> h(n * D), scores((s.start + n + 7) / 8 * 8);
+        std::vector<float> h(n * D), scores;  // attention's scratch, sized by row_group
         auto add_to_x = [&](int64_t i, float (*y)[TILE]) {
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t o = 0; o < TILE; ++o) s.x[r * D + i * TILE + o] += y[r][o];
@@ -624,7 +589,7 @@ class Int4Draft {
             });
 #pragma omp barrier
             for (int64_t g = hkv * t / T; g < hkv * (t + 1) / T; ++g)  // this thread's kv heads
-                rope_attend(s, L, g, group, width, kc + g * s.capacity * d, vc + g * s.capacity * d, scale, scores.data());
+                rope_attend(s, L, g, group, width, kc + g * s.capacity * d, vc + g * s.capacity * d, scale, scores);
 #pragma omp barrier
             a.set(s.attn.data(), n, hq * d);
             run_share(L.o, a, t, T, add_to_x);
@@ -653,7 +618,7 @@ class Int4Draft {
     // the cache (kc, vc: head g's slots), then those queries' attention: row r sees slots
     // 0..start+r.
     void rope_attend(State& s, const Layer& L, int64_t g, int64_t group, int64_t width, float* kc, float* vc,
-                     float scale, float* scores) const {
+                     float scale, std::vector<float>& scores) const {
         const int64_t d = head_dim_, hq = heads_, hkv = kv_heads_;
         for (int64_t r = 0; r < s.n; ++r) {
             float* row = s.qkv.data() + r * width;
@@ -670,12 +635,9 @@ class Int4Draft {
             std::copy_n(row + (hq + g) * d, d, kc + (s.start + r) * d);
             std::copy_n(row + (hq + hkv + g) * d, d, vc + (s.start + r) * d);
         }
-        for (int64_t r = 0; r < s.n; ++r)
-            for (int64_t j = 0; j < group; ++j) {
-                const int64_t head = g * group + j;
-                attend(s.qkv.data() + r * width + head * d, kc, vc, s.start + r + 1, d, scale, scores,
-                       s.attn.data() + r * hq * d + head * d);
-            }
+        for (int64_t r = 0; r < s.n; ++r)  // the group's query heads share each key and value load
+            attention::row_group(s.qkv.data() + r * width + g * group * d, kc, vc, group, d, s.start + r + 1, scale,
+                                 s.attn.data() + r * hq * d + g * group * d, scores);
     }
 
     int64_t heads_, kv_heads_, head_dim_, hidden_;

@@ -1,0 +1,130 @@
+// One query row's causal grouped-query attention over a KV cache head: the query heads of one kv
+// head share each key and value load. Shared by the target's batch-invariant attention
+// (``attention_rows.cpp``) and the int4 draft's whole forward (``linear_int4.cpp``). Per query
+// head: scores = q . k_j (an 8-lane FMA chain over the head dimension, then a fixed reduction
+// tree) times ``scale``; m = their max; p_j = exp(s_j - m) by a polynomial (``exp8``: the same
+// operations in the AVX2 and portable builds, unlike libm's exp); out = (sum_j p_j v_j) / (sum_j
+// p_j), both sums running over j in order. So a row's arithmetic depends only on its query, the
+// keys it sees and their number, in a fixed order.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "lanes.h"
+
+namespace attention {
+
+using namespace lanes;
+
+// Software prefetch, ahead of where a row's loop reads: a deep context's keys and values stream
+// from memory (at 3000 tokens, 86 MB of each a step), and the hardware prefetchers alone kept this
+// loop at about 6 GB/s a core (`scripts/step_parts.py`: attention 13.8 of a 55.4 ms step at context
+// 3000). A prefetch changes no bit, and one past the cache's end is a no-op (it never faults).
+constexpr int64_t KEYS_AHEAD = 8, VALUES_AHEAD = 16;  // rows ahead: 4 and 8 KB at d = 128
+
+inline void prefetch_lanes(const float* p, int64_t n) {  // the cache lines of p[0 .. n)
+#if defined(__AVX2__)
+    for (int64_t l = 0; l < n; l += 16) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
+#else
+    (void)p, (void)n;
+#endif
+}
+
+// Scores of H query heads (rows of q, stride d) against J consecutive keys: H * J FMA chains over
+// the head dimension, each the one chain a lone (head, key) pair runs, so grouping changes no bit.
+// Sharing each key load among the heads is what makes this fast: the keys of a deep context do not
+// fit the L2 cache, and reading them once per kv head instead of once per query head cuts the
+// traffic by the group size.
+template <int H, int J>
+inline void scores(const float* q, const float* k, int64_t d, float scale, float* s, int64_t ld) {
+    V8 a[H][J];
+    for (int h = 0; h < H; ++h)
+        for (int j = 0; j < J; ++j) a[h][j] = splat(0.f);
+    for (int64_t c = 0; c < d; c += 8) {
+        V8 kc[J];
+        for (int j = 0; j < J; ++j) kc[j] = load(k + j * d + c);
+        for (int h = 0; h < H; ++h) {
+            const V8 qc = load(q + h * d + c);
+            for (int j = 0; j < J; ++j) a[h][j] = fma(qc, kc[j], a[h][j]);
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int j = 0; j < J; ++j) s[h * ld + j] = reduce8(a[h][j]) * scale;
+}
+
+// out_h[0 .. 8*NV) = inv_h * sum over j < len of p_h[j] * v[j][0 .. 8*NV), for H heads sharing each
+// value load; every output lane is one chain over j in order.
+template <int H, int NV>
+inline void weighted_sums(const float* p, int64_t ld, const float* v, int64_t d, int64_t len, const float* inv,
+                          float* out) {
+    V8 acc[H][NV];
+    for (int h = 0; h < H; ++h)
+        for (int t = 0; t < NV; ++t) acc[h][t] = splat(0.f);
+    for (int64_t j = 0; j < len; ++j) {
+        const float* vj = v + j * d;
+        prefetch_lanes(vj + VALUES_AHEAD * d, 8 * NV);
+        V8 vt[NV];
+        for (int t = 0; t < NV; ++t) vt[t] = load(vj + 8 * t);
+        for (int h = 0; h < H; ++h) {
+            const V8 pj = splat(p[h * ld + j]);
+            for (int t = 0; t < NV; ++t) acc[h][t] = fma(pj, vt[t], acc[h][t]);
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int t = 0; t < NV; ++t) store(out + h * d + 8 * t, mul(acc[h][t], splat(inv[h])));
+}
+
+// One row's attention for H query heads of one kv head (their scores in s, H rows of stride ld).
+// Keys per score block and value lanes per pass are as many as fit the 16 vector registers.
+template <int H>
+inline void head_block(const float* q, const float* k, const float* v, int64_t d, int64_t len, float scale, float* out,
+                float* s, int64_t ld) {
+    constexpr int J = H == 1 ? 4 : H <= 4 ? 3 : H <= 6 ? 2 : 1;
+    constexpr int NV = H == 1 ? 8 : H <= 3 ? 4 : H <= 6 ? 2 : 1;
+    int64_t j = 0;
+    for (; j + J <= len; j += J) {
+        prefetch_lanes(k + (j + KEYS_AHEAD) * d, J * d);
+        scores<H, J>(q, k + j * d, d, scale, s + j, ld);
+    }
+    for (; j < len; ++j) scores<H, 1>(q, k + j * d, d, scale, s + j, ld);
+    float inv[H];
+    for (int h = 0; h < H; ++h) {
+        float* sh = s + h * ld;
+        float m = sh[0];
+        for (j = 1; j < len; ++j) m = sh[j] > m ? sh[j] : m;
+        for (j = len; j < ld; ++j) sh[j] = m;  // padding lanes: computed, never summed
+        const V8 mv = splat(m);
+        for (j = 0; j < ld; j += 8) store(sh + j, exp8(sub(load(sh + j), mv)));
+        float total = 0.f;
+        for (j = 0; j < len; ++j) total += sh[j];
+        inv[h] = 1.f / total;
+    }
+    int64_t c = 0;
+    for (; c + 8 * NV <= d; c += 8 * NV) weighted_sums<H, NV>(s, ld, v + c, d, len, inv, out + c);
+    for (; c < d; c += 8) weighted_sums<H, 1>(s, ld, v + c, d, len, inv, out + c);
+}
+
+// One row's attention for the query heads of one kv head, in blocks of up to 8 heads.
+inline void row_group(const float* q, const float* k, const float* v, int64_t group, int64_t d, int64_t len,
+               float scale, float* out, std::vector<float>& buf) {
+    const int64_t ld = (len + 7) / 8 * 8;
+    buf.resize(8 * ld);
+    float* s = buf.data();
+    for (int64_t h = 0; h < group; h += 8) {
+        const float* qh = q + h * d;
+        float* oh = out + h * d;
+        switch (group - h >= 8 ? 8 : group - h) {
+            case 1: head_block<1>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 2: head_block<2>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 3: head_block<3>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 4: head_block<4>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 5: head_block<5>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 6: head_block<6>(qh, k, v, d, len, scale, oh, s, ld); break;
+            case 7: head_block<7>(qh, k, v, d, len, scale, oh, s, ld); break;
+            default: head_block<8>(qh, k, v, d, len, scale, oh, s, ld); break;
+        }
+    }
+}
+
+}  // namespace attention
