@@ -125,9 +125,19 @@ def test_recorded_steps_teach_acceptance_and_costs():
         policy.record(StepTimes(rows=5, verify_s=STEP + 4 * 0.005, requests=[RequestOutcome("ngram", state, 4, 0, 0.0)]))
     assert state.acceptance < 0.15 and policy.method_acceptance["ngram"] < 0.8
     assert policy.draft_lengths([request]) == [0]
-    # A new request starts no lower than the method's prior, so it drafts and gets measured: the
-    # method's low rate came from other requests.
-    fresh = DraftRequest("ngram", 12, 100, state=RequestSpeculation())
+    fresh = DraftRequest("ngram", 12, 100, state=RequestSpeculation())  # a free copy's: from the method's rate
+    assert policy.acceptance(fresh) == pytest.approx(policy.method_acceptance["ngram"])
+
+
+def test_a_draft_models_request_starts_no_lower_than_its_prior():
+    """A drafter that costs time: each new request drafts at its start and gets measured, however
+    low earlier requests brought the method's rate (they may have been another kind of text)."""
+    policy = CostModel(_costs(row_s=0.005, draft_s=0.004))
+    state = RequestSpeculation()
+    for _ in range(12):  # an earlier request, every first draft refused
+        policy.record(StepTimes(rows=5, verify_s=STEP + 4 * 0.005, requests=[RequestOutcome("draft_model", state, 4, 0, 0.004)]))
+    assert policy.method_acceptance["draft_model"] < 0.5
+    fresh = DraftRequest("draft_model", 12, 100, draft_cost_prior=0.1)
     assert policy.acceptance(fresh) == pytest.approx(PRIOR_ACCEPTANCE)
     assert policy.draft_lengths([fresh])[0] > 0
 

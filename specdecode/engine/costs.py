@@ -48,7 +48,7 @@ class RequestSpeculation:
     """What the speculation policy learned about one request: its acceptance and its steps
     without drafts."""
 
-    acceptance: float | None = None  # per draft, given the ones before survived; None: none decided yet
+    acceptance: float | None = None  # per draft, given the ones before survived; None: not planned yet
     idle: int = 0  # steps in a row at K = 0
     probe_after: int = PROBE_AFTER
 

@@ -142,20 +142,23 @@ class CostModel(SpeculationPolicy):
 
     def acceptance(self, r: DraftRequest) -> float:
         """The request's measured acceptance; before any of its drafts were decided, its method's
-        over earlier requests but no lower than the method's prior. A request drafts at its start
-        so that its own acceptance gets measured: requests of one method differ more than the
-        method's mean says (the 0.5B draft agrees with the target on 84% of a summary's tokens and
-        66% of a chat answer's, `scripts/draft_agreement.py`), and a request that starts below
-        the break-even would never draft, so never learn otherwise (`scripts/policy_sim.py`)."""
+        over earlier requests, and for a drafter that costs time (a model's) no lower than the
+        method's prior. Such a request drafts at its start so that its own acceptance gets
+        measured: requests of one draft model differ more than its mean says (the 0.5B draft
+        agrees with the target on 84% of a summary's tokens and 66% of a chat answer's,
+        `scripts/draft_agreement.py`), and one that starts below the break-even would never draft,
+        so never learn otherwise (`scripts/policy_sim.py`). A free copy's bet is set by its match
+        (its source's name), so its method's rate stands for each new request."""
         if r.acceptance_prior is not None:
             self.method_prior.setdefault(r.method, r.acceptance_prior)
-        if r.state.acceptance is None:
-            return _clamp(self._start(r.method))
+        if r.state.acceptance is None:  # its first plan: where it starts
+            r.state.acceptance = self._start(r)
         return _clamp(r.state.acceptance)
 
-    def _start(self, method: str) -> float:
-        """Where a request of ``method`` starts: its method's acceptance, no lower than its prior."""
-        return max(self._method(method), self._prior(method))
+    def _start(self, r: DraftRequest) -> float:
+        """Where a request of ``r``'s method starts (see ``acceptance``)."""
+        method = self._method(r.method)
+        return max(method, self._prior(r.method)) if r.draft_cost_prior > 0 else method
 
     def _prior(self, method: str) -> float:
         return self.method_prior.get(method, PRIOR_ACCEPTANCE)
@@ -249,8 +252,8 @@ class CostModel(SpeculationPolicy):
             rate = outcome.accepted / outcome.decided
             state = outcome.state
             start = state.acceptance
-            if start is None:  # where ``acceptance`` had it before its first decided draft
-                start = self._start(outcome.method)
+            if start is None:  # never planned (a fixed K): its method's
+                start = self._method(outcome.method)
             weight = 1 - (1 - DRAFT_EMA) ** outcome.decided
             state.acceptance = start + weight * (rate - start)
             method = self._method(outcome.method)  # its prior until measured
