@@ -13,9 +13,10 @@ a^j expected tokens and costs its draft time plus one verify row. Drafts are add
 time, best gain per second first, while each adds more tokens per second than the step makes
 at its current rate: so a request drafts nothing when not even its first draft repays itself (a
 plain step), and a step of many requests, whose extra rows cost integer compute, drafts less.
-A request's acceptance starts from its method's (no lower than the method's prior, so that every
-request drafts and is measured) and moves with each draft decided (``DRAFT_EMA``). A drafter that knows its confidence (``Drafter.stops_by_confidence``) may reach
-further than the request's average acceptance would draft and stops where the product of its
+A request's acceptance starts from its method's (a draft model's no lower than its prior, so that
+each of its requests drafts and is measured) and moves with each draft decided (``DRAFT_EMA``).
+A drafter that knows its confidence (``Drafter.stops_by_confidence``) may reach further than the
+request's average acceptance would draft and stops where the product of its
 probabilities says a further draft no longer repays itself (``confidence_stops``, SpecDec++).
 A drafter may offer several sources for a step (``Drafter.sources``: ``combined`` offers a free
 copy from a context match and its draft model); ``pick_sources`` takes, per request, the one with
@@ -141,8 +142,8 @@ class CostModel(SpeculationPolicy):
         self.method_prior: dict[str, float] = {}  # the priors methods' requests brought, until measured
 
     def acceptance(self, r: DraftRequest) -> float:
-        """The request's measured acceptance; before any of its drafts were decided, its method's
-        over earlier requests, and for a drafter that costs time (a model's) no lower than the
+        """The request's measured acceptance; at its first plan, its method's over earlier
+        requests, and for a drafter that costs time (a model's) no lower than the
         method's prior. Such a request drafts at its start so that its own acceptance gets
         measured: requests of one draft model differ more than its mean says (the 0.5B draft
         agrees with the target on 84% of a summary's tokens and 66% of a chat answer's,
