@@ -30,7 +30,6 @@ import torch
 
 from specdecode.bench.workloads import WORKLOAD_NAMES, load_workloads
 from specdecode.drafters.draft_vocab import load_ranking
-from specdecode.models import draft_quant
 from specdecode.models.catalog import resolve_model
 from specdecode.models.decoder import Decoder
 from specdecode.tokenizer import Tokenizer
