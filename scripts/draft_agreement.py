@@ -13,6 +13,7 @@ not calibrated on (``scripts/draft_vocab_rank.py --prompts bench`` writes such r
 
     python scripts/draft_agreement.py bench-results/s11-all/results.jsonl --quantize int8,int4
     python scripts/draft_agreement.py held_out.jsonl --quantize int4 --vocab 8192,16384,32768,65536,full
+    python scripts/draft_agreement.py held_out.jsonl --quantize int4 --vocab 32768 --ranking a.json --ranking b.json
 
 With ``--traces PATH``, it also writes, for the first ``--quantize`` mode and the last ``--vocab``
 size, each answer's agreement position by position and the draft's probability of its own top
@@ -42,9 +43,22 @@ def main() -> None:
     p.add_argument("--quantize", default="int8,int4", help="comma-separated: none, int8, int4")
     p.add_argument("--vocab", default="full", help="comma-separated head sizes N (full: the whole head)")
     p.add_argument("--traces", type=Path, help="write per-position agreement and draft confidence here (JSON lines)")
+    p.add_argument("--ranking", type=Path, action="append",
+                   help="a ranking file to compare (repeatable; default: the shipped one): each --vocab size is "
+                        "measured per file, printed as N@FILE")
+    p.add_argument("--with-context", action="store_true",
+                   help="also measure each restricted head extended by the request's own tokens: N+ctx adds the "
+                        "prompt's ids, N+hist also the answer's ids before each position")
     args = p.parse_args()
-    sizes = [s.strip() for s in args.vocab.split(",")]
-    kept = {s: None if s == "full" else load_ranking().top(int(s)) for s in sizes}
+    rankings = {path.name: load_ranking(path) for path in args.ranking} if args.ranking else {"": load_ranking()}
+    sizes, kept = [], {}
+    for n in (s.strip() for s in args.vocab.split(",")):
+        for name, ranking in (rankings.items() if n != "full" else [("", None)]):
+            label = f"{n}@{name}" if name else n
+            sizes.append(label)
+            kept[label] = None if ranking is None else ranking.top(int(n))
+            if ranking is not None and args.with_context:
+                sizes += [f"{label}+ctx", f"{label}+hist"]
     rows = [json.loads(line) for line in args.results.read_text().splitlines()]
     answers = {r["prompt_id"]: r["token_ids"] for r in rows if r["method"] == "none" and r["turn"] == 0}
     prompts = {pr.id: pr for pr in load_workloads(list(WORKLOAD_NAMES)) if pr.id in answers}
@@ -63,17 +77,26 @@ def main() -> None:
             model.forward(torch.tensor(context[:-1]), cache, last_only=True)
             logits = model.forward(torch.tensor(context[-1:] + answer[:-1]), cache)
             truth = torch.tensor(answer)
-            for s, ids in kept.items():
-                guess = logits.argmax(-1) if ids is None else ids[logits[:, ids].argmax(-1)]
+            for s in sizes:
+                ids = kept.get(s)
+                if s.endswith(("+ctx", "+hist")):
+                    allowed = _allowed(kept[s.rsplit("+", 1)[0]], context, answer, logits.shape[-1], s.endswith("+hist"))
+                    scores = logits.masked_fill(~allowed, float("-inf"))
+                    guess = scores.argmax(-1)
+                    in_head = allowed.gather(1, truth[:, None])[:, 0]
+                else:
+                    scores = logits if ids is None else logits[:, ids]
+                    guess = logits.argmax(-1) if ids is None else ids[scores.argmax(-1)]
+                    in_head = torch.ones_like(truth, dtype=torch.bool) if ids is None else torch.isin(truth, ids)
                 agree = int((guess == truth).sum())
                 hits[s] += agree
-                covered[s] += len(answer) if ids is None else int(torch.isin(truth, ids).sum())
+                covered[s] += int(in_head.sum())
                 if s == sizes[-1]:
                     slot = per_category.setdefault(prompts[pid].category, [0, 0])
                     slot[0] += agree
                     slot[1] += len(answer)
                     if args.traces and mode == args.quantize.split(",")[0]:
-                        probs = logits.float().softmax(-1) if ids is None else logits[:, ids].float().softmax(-1)
+                        probs = scores.float().softmax(-1)
                         traces.append({"prompt_id": pid, "category": prompts[pid].category, "prompt_tokens": len(context),
                                        "match": (guess == truth).int().tolist(),
                                        "p": [round(x, 4) for x in probs.max(-1).values.tolist()]})
@@ -86,6 +109,19 @@ def main() -> None:
     if args.traces:
         args.traces.write_text("".join(json.dumps(t) + "\n" for t in traces))
         print(f"traces of {len(traces)} answers: {args.traces}")
+
+
+def _allowed(ids: torch.Tensor, context: list[int], answer: list[int], vocab: int, history: bool) -> torch.Tensor:
+    """[len(answer), vocab] bool: the ids a head extended by the request's tokens covers at each
+    position (the prompt's; with ``history`` also the answer's tokens before that position)."""
+    base = torch.zeros(vocab, dtype=torch.bool)
+    base[ids] = True
+    base[torch.tensor(context)] = True
+    allowed = base.repeat(len(answer), 1)
+    if history:
+        for i, token in enumerate(answer[:-1]):
+            allowed[i + 1:, token] = True
+    return allowed
 
 
 if __name__ == "__main__":
