@@ -7,7 +7,7 @@ measurement behind that choice (docs/PERFORMANCE.md). Both paths run in one proc
 
     python scripts/draft_step.py --rows 1,2,5
     python scripts/draft_step.py --quantize int4 --rows 1,2
-    python scripts/draft_step.py --quantize int4 --rows 64,150 --repeat 5  # a prefill: fused chunks of 8 rows
+    python scripts/draft_step.py --quantize int4 --rows 64,150 --repeat 5 --last-only  # a prefill: fused chunks of 32 rows
     python scripts/draft_step.py --quantize int4 --rows 1,2,5 --target qwen2.5-coder-1.5b-instruct
 
 With ``--vocab``, it instead times the draft with its whole LM head against the same draft with
@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--vocab", default=None, help="comma-separated head sizes N to time against the whole head")
     p.add_argument("--target", help="also time one step of this target (its GGUF run natively)")
+    p.add_argument("--last-only", action="store_true",
+                   help="time each call as a prompt's prefill or a catch-up runs: logits of its last row only")
     args = p.parse_args()
     model = Decoder.from_dir(resolve_model(args.draft), role="draft",
                              quantize=None if args.quantize == "none" else args.quantize)
@@ -70,7 +72,7 @@ def main() -> None:
 
     def step(rows: int, fast: bool) -> float:
         start = time.perf_counter()
-        (model if fast else slow).forward(torch.arange(rows) + 5, cache)
+        (model if fast else slow).forward(torch.arange(rows) + 5, cache, last_only=args.last_only)
         elapsed = time.perf_counter() - start
         cache.trim(rows)
         return elapsed

@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=38.0, help="one-row target step (default: %(default)s)")
     ap.add_argument("--row-share", type=float, default=0.23, help="an extra verify row, in steps (default: %(default)s)")
     ap.add_argument("--draft-ms", type=float, default=8.5, help="one drafted token (default: %(default)s)")
-    ap.add_argument("--catch-up-ms", type=float, default=2.9, help="one caught-up token (default: %(default)s)")
+    ap.add_argument("--catch-up-ms", type=float, default=1.9, help="one caught-up token (default: %(default)s)")
     ap.add_argument("--prefill-ms", type=float, default=8.5, help="one prompt token of the target (default: %(default)s)")
     ap.add_argument("--k-max", type=int, default=12, help="most drafts a step (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=128, help="the requests' max_tokens (default: %(default)s)")

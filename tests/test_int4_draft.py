@@ -52,6 +52,23 @@ def test_fused_forward_matches_the_torch_layers(tiny_models, arch):
     assert last.shape == (1, 96) and _close(last, want)
 
 
+def test_a_long_input_has_the_bits_of_short_calls(tiny_models):
+    """A prefill runs as calls of up to FUSED_MAX_ROWS rows, the calls before the last without
+    logits; a row's bits depend on neither, so the last row's logits and every key and value equal
+    those of feeding the same tokens a few rows a call."""
+    model = Decoder.from_dir(tiny_models["qwen2"], role="draft", quantize="int4")
+    n = draft_quant.FUSED_MAX_ROWS + 9
+    prompt = torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(2))
+    long, short = model.new_cache(n + 8), model.new_cache(n + 8)
+    got = model.forward(prompt, long, last_only=True)
+    want = [model.forward(chunk, short) for chunk in prompt.split(3)][-1][-1:]
+    assert got.shape == (1, 96) and torch.equal(got, want)
+    assert long.length == short.length == n
+    assert torch.equal(long.k[:, :, :n], short.k[:, :, :n]) and torch.equal(long.v[:, :, :n], short.v[:, :, :n])
+    empty = model.backend.fused.forward(prompt[:4], long.k, long.v, 0, True, False)  # no head asked
+    assert empty.shape == (0, 96)
+
+
 def test_fused_forward_only_for_an_all_int4_draft(tiny_models, tmp_path):
     assert Decoder.from_dir(tiny_models["qwen2"], role="draft", quantize="int8").backend.fused is None
     assert Decoder.from_dir(tiny_models["qwen2"], role="draft").backend.fused is None

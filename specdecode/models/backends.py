@@ -153,7 +153,7 @@ class DraftQuantBackend(TorchLayers):
     def __init__(self, eps: float, fused: FusedForward | None) -> None:
         super().__init__("draft", eps, kernels.LinearKernel(draft_quant.linear_draft, invariant=False))
         self.fused = fused
-        self.fused_rows = draft_quant.INT4_MAX_ROWS if fused is not None else 0
+        self.fused_rows = draft_quant.FUSED_MAX_ROWS if fused is not None else 0
 
     @classmethod
     def build(cls, config: ModelConfig, weights: DecoderWeights, mode: str) -> tuple["DraftQuantBackend", DecoderWeights]:

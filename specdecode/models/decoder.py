@@ -176,8 +176,9 @@ class Decoder:
         # prefill: docs/PERFORMANCE.md, `scripts/draft_step.py --quantize int4 --rows 150`).
         start, most = cache.reserve(tokens.shape[0]), self.backend.fused_rows
         rows = self.embed_tokens(tokens) if isinstance(self.embed, GGUFWeight) else tokens
-        chunks = [fused.forward(rows[i : i + most], cache.k, cache.v, start + i, last_only)
-                  for i in range(0, tokens.shape[0], most)]
+        n = tokens.shape[0]
+        chunks = [fused.forward(rows[i : i + most], cache.k, cache.v, start + i, last_only, not last_only or i + most >= n)
+                  for i in range(0, n, most)]
         return chunks[-1] if last_only else torch.cat(chunks)
 
     @torch.inference_mode()

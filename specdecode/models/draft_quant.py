@@ -27,6 +27,9 @@ from specdecode.models.int8_rows import Int8Rows, quantize_rows
 
 INT4_GROUP = 64  # inputs per int4 scale: one VPDPBUSD (VNNI) or two VPMADDUBSW (AVX2) per group and output
 INT4_MAX_ROWS = 8  # calls with more rows (a prefill, or a draft catching up on a long n-gram copy) take int8
+# Rows per call of an int4 draft's whole native forward (``int4_forward.py``): a longer input (a
+# prompt, a catch-up) runs as chunks of this many, each streaming the weights once for all its rows.
+FUSED_MAX_ROWS = 32
 
 FbgemmInt8 = torch.ScriptObject  # fbgemm's prepacked int8 weight (``pack_int8``)
 ManyRows = Int8Rows | FbgemmInt8 | GGUFLinear  # what an int4 weight's calls of many rows run on

@@ -2,7 +2,7 @@
 
 A one-row step of a small draft spends most of its time in torch's per-op dispatch (some 40 small
 ops per layer), not in its weights; running every layer in one call removes that. It serves the
-calls of a few rows (``draft_quant.INT4_MAX_ROWS``) of a draft whose every linear weight is
+calls of up to ``draft_quant.FUSED_MAX_ROWS`` rows of a draft whose every linear weight is
 ``Int4Groups``; the draft's other calls take its torch layers.
 """
 
@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 
 class FusedForward(Protocol):
-    def forward(self, rows: Tensor, k: Tensor, v: Tensor, start: int, last_only: bool) -> Tensor:
+    def forward(self, rows: Tensor, k: Tensor, v: Tensor, start: int, last_only: bool, head: bool = True) -> Tensor:
         """Logits [N, V] (or [1, V]) of ``rows`` (token ids [N], or embedding rows [N, D] when the
-        embedding is a GGUF table) at cache slots ``start..`` of the cache ``k``/``v``, which it fills."""
+        embedding is a GGUF table) at cache slots ``start..`` of the cache ``k``/``v``, which it fills;
+        with ``head`` False, no logits (an empty [0, V]): a chunk of a long input before its last."""
         ...
 
 
