@@ -61,7 +61,7 @@ def test_rows_bitwise_invariant_and_builds_agree(type_name: str) -> None:
     results = []
     for build in _builds():
         alone = torch.cat([build.linear_gguf(x[i : i + 1].contiguous(), [w.part]) for i in range(24)])
-        for n in range(1, 25):  # one tile up to 15 rows, then tiles of 8 and a last one of 8 to 15
+        for n in range(1, 25):  # one tile up to 15 rows; from 16, tiles of 8 rows (wide: by 4 outputs) and one of the rest
             for start in range(25 - n):  # every offset: rows land in every tile position
                 got = build.linear_gguf(x[start : start + n].contiguous(), [w.part])
                 assert torch.equal(got, alone[start : start + n]), (type_name, build.isa(), n, start)
@@ -161,6 +161,7 @@ def test_extreme_blocks_and_activations_agree_across_builds(type_name: str) -> N
     x[1] = -1.0
     x[2, ::2] = -1.0
     x[3, ::block] = -50.0  # the rest of each block quantizes to -3 or so
+    x = x.repeat(5, 1)  # 20 rows: the wide tiles of 16 rows and more too
     for label, fill in EXTREME_FILLS:
         if label.startswith("Q6_K") and type_name != "Q6_K":
             continue

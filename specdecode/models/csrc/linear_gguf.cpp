@@ -691,12 +691,186 @@ void tile_rest(int64_t rows, const Part& w, const Acts& a, int64_t j, int64_t r0
     }
 }
 
+// ---- Wide tiles: many rows against several outputs at once.
+// A row tile above decodes each super-block for its 8 rows and applies each decoded register to
+// them one by one, each multiply loading its own 32 bytes of activations. A call of 16 rows or
+// more instead decodes the super-blocks of WN outputs once for all its rows (into a per-thread
+// buffer: a row of 8960 inputs takes 70 KB for 4 outputs) and multiplies blocks of WM rows by WN
+// outputs from registers: each activation register serves WN outputs and each weight register
+// WM rows. Every (row, output) gets the integer lanes ``tile_k`` computes (int32 sums, exact in
+// any order) and the same float steps in the same order, so the same bits.
+// Where they pay (``python scripts/gguf_rows.py --rows 16,64,146 --by-type --against`` the row
+// tiles' source, Zen 4, 2026-11-26): VNNI Q4_K 1.06x / 1.12x / 1.34x as fast, Q6_K 1.02x / 1.12x /
+// 1.20x; AVX2 Q6_K 0.82x / 1.17x / 1.16x, AVX2 Q4_K 0.79x / 0.89x / 0.98x (its int16 sums in 16
+// registers), so AVX2 keeps row tiles for Q4_K.
+#if defined(GGUF_VNNI)
+constexpr int WM = 4, WN = 4;  // 16 accumulators of AVX-512VL's 32 registers
+template <int T>
+constexpr bool wide_pays() { return T == Q4_K || T == Q6_K; }
+#else
+constexpr int WM = 2, WN = 4;  // 8 of AVX2's 16
+template <int T>
+constexpr bool wide_pays() { return T == Q6_K; }
+#endif
+constexpr int WR = 8;  // rows per pass over the buffer: one vector of the mins' chains
+
+// The registers of one scale group: one VPDPBUSD chain before VPMULLD (VNNI), one int16 sum
+// before VPMADDWD (AVX2), as ``k_lanes`` groups them.
+template <int T>
+constexpr int group_regs() {
+#if defined(GGUF_VNNI)
+    return T == Q6_K ? 4 : 8;
+#else
+    return T == Q6_K ? 2 : 8;
+#endif
+}
+
+inline __m256i acc_dot(__m256i acc, __m256i u, __m256i s) {
+#if defined(GGUF_VNNI)
+    return dpbusd(acc, u, s);
+#else
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+inline __m256i apply_scale(__m256i acc, __m256i sc) {
+#if defined(GGUF_VNNI)
+    return _mm256_mullo_epi32(acc, sc);
+#else
+    return _mm256_madd_epi16(acc, sc);
+#endif
+}
+
+// One super-block of WN outputs, decoded: values in ``kperm`` order, scales as ``KBlock`` holds
+// them, and per output what ``tile_k`` derives per block (Q4_K: the mins as int16 pairs by
+// sub-block pair; Q6_K: its offsets' scales).
+struct WideBlock {
+    __m256i v[WN][8], sc[WN][2], extra[WN][4];
+    float dw[WN], dm[WN];
+};
+
+template <int T>
+void decode_wide(const Part& w, int64_t j, WideBlock* blocks) {
+    for (int64_t b = 0; b < w.nb; ++b) {
+        WideBlock& B = blocks[b];
+        for (int c = 0; c < WN; ++c) {
+            const int64_t i = (j + c) * w.nb + b;
+            if constexpr (PF > 0) {
+                _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + PF), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(w.q + i * 128 + 64 + PF), _MM_HINT_T0);
+                if constexpr (T == Q6_K) _mm_prefetch(reinterpret_cast<const char*>(w.qh + i * 64 + PF / 2), _MM_HINT_T0);
+            }
+            const KBlock k = decode_block<T>(w, i);
+            for (int e = 0; e < 8; ++e) B.v[c][e] = k.v[e];
+            B.sc[c][0] = k.sc[0], B.sc[c][1] = T == Q6_K ? k.sc[1] : k.sc[0];
+            B.dw[c] = w.d[i];
+            if constexpr (T == Q6_K) {
+                B.extra[c][0] = q6_offsets(w, i), B.dm[c] = 0.f;
+            } else {
+                const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + i * 8)));
+                B.extra[c][0] = _mm256_broadcastd_epi32(mn), B.extra[c][1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
+                B.extra[c][2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), B.extra[c][3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
+                B.dm[c] = w.dm[i];
+            }
+        }
+    }
+}
+
+// Rows r0 .. r0 + WR - 1 against the decoded outputs.
+template <int T>
+void wide_rows(const WideBlock* blocks, int64_t nb, const Acts& a, int64_t r0, float* y, int64_t ystride, int64_t col) {
+    constexpr bool has_min = T != Q6_K;
+    constexpr int H = group_regs<T>();
+    alignas(32) float F[WR][WN][8] = {};
+    alignas(32) int32_t L[WR][WN][8];  // a row's lanes while several scale groups add up
+    __m256 mv[WN];
+    for (int c = 0; c < WN; ++c) mv[c] = _mm256_setzero_ps();
+    const int8_t* xq = a.kq[T == Q6_K ? 1 : 0].data();
+    for (int64_t b = 0; b < nb; ++b) {
+        const WideBlock& B = blocks[b];
+        const int64_t m = b * a.n + r0;
+        const __m256 xd = _mm256_loadu_ps(a.kd.data() + m);
+        alignas(32) float dx[WN][8];
+        for (int c = 0; c < WN; ++c) {
+            _mm256_store_ps(dx[c], _mm256_mul_ps(_mm256_set1_ps(B.dw[c]), xd));
+            if constexpr (has_min) {  // as tile_k: the sub-block pairs' mins against 8 rows' sums
+                const int16_t* bt = a.kbt.data() + ((b * 4) * a.ns + r0) * 2;
+                __m256i mins = _mm256_madd_epi16(B.extra[c][0], load32(reinterpret_cast<const int8_t*>(bt)));
+                for (int p = 1; p < 4; ++p)
+                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(B.extra[c][p], load32(reinterpret_cast<const int8_t*>(bt + p * a.ns * 2))));
+                mv[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_set1_ps(B.dm[c]), xd), mv[c]);
+            }
+        }
+        const int8_t* x = xq + m * 256;
+        for (int g = 0; g < WR; g += WM) {
+            // The decoded weights are loaded anew for each block of rows: held in registers
+            // across them, they would push the accumulators out to the stack.
+            asm volatile("" ::: "memory");
+#pragma GCC unroll 8
+            for (int h = 0; h < 8; h += H) {
+                __m256i acc[WM][WN];
+                for (int r = 0; r < WM; ++r)
+                    for (int c = 0; c < WN; ++c) acc[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int e = h; e < h + H; ++e) {
+                    __m256i xr[WM];
+                    for (int r = 0; r < WM; ++r) xr[r] = load32(x + 256 * (g + r) + 32 * e);
+                    for (int c = 0; c < WN; ++c) {
+                        const __m256i wv = _mm256_load_si256(&B.v[c][e]);
+                        for (int r = 0; r < WM; ++r) acc[r][c] = acc_dot(acc[r][c], wv, xr[r]);
+                    }
+                }
+                for (int r = 0; r < WM; ++r)
+                    for (int c = 0; c < WN; ++c) {
+                        __m256i part = apply_scale(acc[r][c], B.sc[c][h / 4]);
+                        __m256i* lp = reinterpret_cast<__m256i*>(L[g + r][c]);
+                        if (h > 0) part = _mm256_add_epi32(_mm256_load_si256(lp), part);
+                        if (h + H < 8) {
+                            _mm256_store_si256(lp, part);
+                            continue;
+                        }
+                        if constexpr (!has_min)
+                            part = _mm256_sub_epi32(part, _mm256_madd_epi16(B.extra[c][0], load32(reinterpret_cast<const int8_t*>(a.kbs.data() + (m + g + r) * 16))));
+                        float* fp = F[g + r][c];
+                        _mm256_store_ps(fp, _mm256_fmadd_ps(_mm256_cvtepi32_ps(part), _mm256_broadcast_ss(dx[c] + g + r), _mm256_load_ps(fp)));
+                    }
+            }
+        }
+    }
+    for (int c = 0; c < WN; ++c) {
+        alignas(32) float mins[8];
+        _mm256_store_ps(mins, mv[c]);
+        for (int r = 0; r < WR; ++r) y[(r0 + r) * ystride + col + c] = reduce8(F[r][c]) + (has_min ? mins[r] : 0.f);
+    }
+}
+
+// Outputs j .. j + WN - 1 for rows 0 .. rows - 1 (a multiple of WR).
+template <int T>
+void wide_columns(const Part& w, const Acts& a, int64_t j, int64_t rows, float* y, int64_t ystride, int64_t col) {
+    thread_local std::vector<WideBlock> blocks;
+    if (static_cast<int64_t>(blocks.size()) < w.nb) blocks.resize(w.nb);
+    decode_wide<T>(w, j, blocks.data());
+    for (int64_t r0 = 0; r0 < rows; r0 += WR) wide_rows<T>(blocks.data(), w.nb, a, r0, y, ystride, col);
+}
+
 // Outputs j0 .. j1-1 of one part for every row: row tile by row tile, each tile across the
 // outputs, so the tile's activations stay in L1 while the outputs' weights (a few KB each) come
 // from L2. Output by output instead, a prefill of 64 rows would re-read its 100 KB of activations
 // from L2 for every output. Each (row, output) is computed exactly as alone.
 template <int T>
 void rows_of(const Part& w, const Acts& a, int64_t j0, int64_t j1, float* y, int64_t ystride, int64_t col0) {
+    if constexpr (wide_pays<T>() && RT == WR) {
+        if (a.n > TMAX) {  // wide tiles for every whole 8 rows; row tiles for the other outputs and rows
+            const int64_t whole = a.n / WR * WR;
+            int64_t j = j0;
+            for (; j + WN <= j1; j += WN) wide_columns<T>(w, a, j, whole, y, ystride, col0 + j - j0);
+            for (; j < j1; ++j)
+                for (int64_t r = 0; r < whole; r += RT) tile<T, RT>(w, a, j, r, y, ystride, col0 + j - j0);
+            if (whole < a.n)
+                for (j = j0; j < j1; ++j) tile_rest<T, TMAX>(a.n - whole, w, a, j, whole, y, ystride, col0 + j - j0);
+            return;
+        }
+    }
     int64_t r = 0;
     for (; a.n - r > TMAX; r += RT)
         for (int64_t j = j0; j < j1; ++j) tile<T, RT>(w, a, j, r, y, ystride, col0 + j - j0);
