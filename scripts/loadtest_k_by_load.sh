@@ -2,7 +2,8 @@
 # The load test of docs/SERVING.md ("Load test"): plain decoding, the default server (method
 # combined), the draft model at the server's K, a fixed K-by-load table and `--k-by-load auto`, one
 # server at a time on the default pair, each measured by the same load test. Writes bench-results/loadtest/<name>.json and prints a summary.
-# Keep the machine quiet while it runs (about 4 minutes a server on 2 cores).
+# Each level runs on a fresh server (a server's drafters learn from its earlier answers, and the
+# levels send the same prompts). Keep the machine quiet while it runs (about 5 minutes a server on 2 cores).
 #
 #   scripts/loadtest_k_by_load.sh [SERVER ...]   # none, default, draft_model, table, auto (default: all, in that order)
 #   PORT=8011 (default) picks the port.
@@ -13,9 +14,11 @@ BIN=.venv/bin
 OUT=bench-results/loadtest
 mkdir -p "$OUT"
 
-run() {  # name, then the serve flags
-    local name=$1
-    shift
+LEVELS=(1 2 4 8)
+
+level() {  # name, clients, then the serve flags: one level on a fresh server, whose history of
+    local name=$1 clients=$2  # answers holds none of the prompts (see specdecode/server/loadtest.py)
+    shift 2
     "$BIN/specdecode" serve --port "$PORT" --max-concurrency 8 --log-level warning "$@" &
     local pid=$!
     trap 'kill $pid 2>/dev/null || true' EXIT
@@ -24,11 +27,26 @@ run() {  # name, then the serve flags
         kill -0 $pid 2>/dev/null || { echo "server $name exited" >&2; exit 1; }
         sleep 1
     done
-    "$BIN/python" -m specdecode.server.loadtest --url "http://127.0.0.1:$PORT" --concurrency 1,2,4,8 \
-        --requests 16 --max-tokens 64 --ignore-eos --workload code,chat --json > "$OUT/$name.json"
+    "$BIN/python" -m specdecode.server.loadtest --url "http://127.0.0.1:$PORT" --concurrency "$clients" \
+        --requests 16 --max-tokens 64 --ignore-eos --workload code,chat --json > "$OUT/$name.$clients.json"
     kill $pid
     wait $pid 2>/dev/null || true
     trap - EXIT
+}
+
+run() {  # name, then the serve flags; writes $OUT/name.json with every level
+    local name=$1
+    shift
+    for clients in "${LEVELS[@]}"; do level "$name" "$clients" "$@"; done
+    "$BIN/python" - "$OUT" "$name" "${LEVELS[@]}" <<'EOF'
+import json, pathlib, sys
+out, name, levels = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+parts = [json.loads((out / f"{name}.{c}.json").read_text()) for c in levels]
+merged = {**parts[0], "levels": [lvl for part in parts for lvl in part["levels"]]}
+(out / f"{name}.json").write_text(json.dumps(merged))
+for c in levels:
+    (out / f"{name}.{c}.json").unlink()
+EOF
     echo "$name done"
 }
 

@@ -13,6 +13,7 @@ import pytest
 from server_support import LiveServer, metric, read_until, wait_until
 
 from specdecode import LLM
+from specdecode.bench.workloads import load_workloads, parse_workload_names
 from specdecode.server import loadtest
 from specdecode.server.app import create_app
 from specdecode.server.scheduler import Scheduler
@@ -115,6 +116,25 @@ def test_loadtest_runs_bounded_and_reports(tiny_server, capsys):
     # 1 warm-up + 2 levels x 5 requests, all counted by the server
     assert metric(tiny_server.metrics(), "specdecode_requests_total", endpoint="/v1/chat/completions",
                   status="200") == 11
+
+
+def test_loadtest_warm_up_sends_no_measured_prompt(monkeypatch, capsys):
+    """A server that learns from its earlier answers must not have seen a measured prompt when it
+    is measured: the warm-up asks a prompt of its own, and each level's requests are the
+    workload's prompts in order."""
+    sent: list[str] = []
+
+    def fake_request(target, prompt, max_tokens, temperature, ignore_eos):
+        sent.append(prompt)
+        return loadtest.Sample(ok=True, latency_s=0.01, ttft_s=0.005, completion_tokens=max_tokens)
+
+    monkeypatch.setattr(loadtest, "one_request", fake_request)
+    code = loadtest.main(["--url", "http://127.0.0.1:9", "--model", "m", "--concurrency", "1", "--requests", "3",
+                          "--warmup", "2", "--workload", "code", "--json"])
+    assert code == 0
+    prompts = [p.turns[0] for p in load_workloads(parse_workload_names("code"))]
+    assert sent[:2] == [loadtest.WARMUP_PROMPT] * 2 and loadtest.WARMUP_PROMPT not in prompts
+    assert sent[2:] == prompts[:3]
 
 
 def test_loadtest_table_and_refusals(tiny_server, capsys):

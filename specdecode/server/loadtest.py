@@ -8,6 +8,13 @@ client threads and reports throughput and p50/p99 latency and TTFT; then it stop
 talks to loopback addresses: it is a tool to measure this machine's server, not a way to load
 someone else's. Prompts are the first turns of the built-in benchmark workloads. Standard
 library only, so it runs wherever specdecode installs.
+
+A server whose drafters learn across requests (``suffix``, ``combined``: earlier answers are a
+datastore) copies its own earlier answer when a prompt comes again, so a level that resends
+prompts an earlier level sent measures that copying, not the method. The warm-up therefore
+sends a prompt of its own, and a comparison of methods should run each level on a fresh server
+(``scripts/loadtest_k_by_load.sh`` does); within a level, prompts repeat only past the
+workloads' count (18 for code,chat).
 """
 
 from __future__ import annotations
@@ -68,6 +75,11 @@ class Target:
     api: str  # "chat" or "completions"
     headers: dict[str, str]
     timeout: float
+
+
+# Not a workload prompt: the warm-up's answer must not be in a server's history when a measured
+# request asks the same (see the module docstring).
+WARMUP_PROMPT = "Say hello in one word."
 
 
 def loopback_base(url: str) -> str:
@@ -241,8 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = "/v1/chat/completions" if args.api == "chat" else "/v1/completions"
     target = Target(base + path, model, args.api, headers, args.timeout)
     deadline = time.perf_counter() + args.max_seconds
-    for i in range(args.warmup):
-        warm = one_request(target, prompts[i % len(prompts)], args.max_tokens, args.temperature, args.ignore_eos)
+    for _ in range(args.warmup):
+        warm = one_request(target, WARMUP_PROMPT, args.max_tokens, args.temperature, args.ignore_eos)
         if not warm.ok:
             print(f"loadtest: error: warm-up request failed: {warm.error}", file=sys.stderr)
             return 1
