@@ -15,12 +15,14 @@ the head restricted to the N top-ranked tokens (``Decoder.restrict_vocabulary``)
 alternating in one process:
 
     python scripts/draft_step.py --quantize int4 --rows 1 --vocab 8192,16384,32768,65536
+    python scripts/draft_step.py --quantize int4 --rows 1 --vocab 65536 --target qwen2.5-coder-1.5b-instruct
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -47,16 +49,6 @@ def main() -> None:
                              quantize=None if args.quantize == "none" else args.quantize)
     cache = model.new_cache(args.context + max(int(r) for r in args.rows.split(",")))
     model.forward(torch.randint(0, 1000, (args.context,)), cache, last_only=True)
-    if args.vocab is not None:
-        time_heads(model, cache, [int(n) for n in args.vocab.split(",")], args.rows, args.repeat)
-        return
-
-    if model.backend.fused is not None:  # int4: the native whole forward against torch's fast path
-        names, slow = ("native forward", "torch layers"), model.with_backend(model.backend.layered())
-    else:  # the same linear kernel with the target's attention and norm
-        invariant = TorchLayers("target", model.config.rms_norm_eps, model.backend.linear)
-        names, slow = ("fast path", "invariant path"), model.with_backend(invariant)
-
     target_step = None
     if args.target:
         target = Decoder.from_dir(resolve_model(args.target), quantize="native")
@@ -71,6 +63,16 @@ def main() -> None:
             return elapsed
 
         target_step = one_target_step
+
+    if args.vocab is not None:
+        time_heads(model, cache, [int(n) for n in args.vocab.split(",")], args.rows, args.repeat, target_step)
+        return
+
+    if model.backend.fused is not None:  # int4: the native whole forward against torch's fast path
+        names, slow = ("native forward", "torch layers"), model.with_backend(model.backend.layered())
+    else:  # the same linear kernel with the target's attention and norm
+        invariant = TorchLayers("target", model.config.rms_norm_eps, model.backend.linear)
+        names, slow = ("fast path", "invariant path"), model.with_backend(invariant)
 
     def step(rows: int, fast: bool) -> float:
         start = time.perf_counter()
@@ -94,21 +96,32 @@ def main() -> None:
         print(line)
 
 
-def time_heads(model: Decoder, cache: KVCache, sizes: list[int], rows_list: str, repeat: int) -> None:
+def time_heads(model: Decoder, cache: KVCache, sizes: list[int], rows_list: str, repeat: int,
+               target_step: Callable[[], float] | None = None) -> None:
     """Median (and least) step time of the whole head and of each restricted head, alternating per
-    repeat; the least is the figure other processes on the machine disturb least."""
+    repeat; the least is the figure other processes on the machine disturb least. With
+    ``target_step``, a target step too in each repeat, and each head's median against it."""
     ranking = load_ranking()
     heads = {"full": model} | {str(n): model.restrict_vocabulary(ranking.top(n)) for n in sizes}
     for rows in (int(r) for r in rows_list.split(",")):
         times: dict[str, list[float]] = {name: [] for name in heads}
+        target: list[float] = []
         for _ in range(repeat):
             for name, m in heads.items():
                 start = time.perf_counter()
                 m.forward(torch.arange(rows) + 5, cache)
                 times[name].append(time.perf_counter() - start)
                 cache.trim(rows)
-        print(f"{rows} row(s), median (min): " + ", ".join(
-            f"vocab {name} {sorted(t)[repeat // 2] * 1e3:.2f} ({min(t) * 1e3:.2f}) ms" for name, t in times.items()))
+            if target_step is not None:
+                target.append(target_step())
+        median = {name: sorted(t)[repeat // 2] for name, t in times.items()}
+        line = f"{rows} row(s), median (min): " + ", ".join(
+            f"vocab {name} {median[name] * 1e3:.2f} ({min(t) * 1e3:.2f}) ms" for name, t in times.items())
+        if target:
+            target_s = sorted(target)[repeat // 2]
+            line += f"; target step {target_s * 1e3:.1f} ms: " + ", ".join(
+                f"vocab {name} = {median[name] / target_s:.2f}x" for name in heads)
+        print(line)
 
 
 if __name__ == "__main__":
