@@ -539,6 +539,23 @@ inline __m256i q6_offsets(const Part& w, int64_t i) {
     return _mm256_slli_epi16(_mm256_cvtepi8_epi16(pairs), 5);
 }
 
+// Q4_K / Q5_K: super-block i's mins as int16 pairs, (min of sub-block 2p, of 2p + 1) in every
+// dword of mnp[p].
+inline void min_pairs(const Part& w, int64_t i, __m256i* mnp) {
+    const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + i * 8)));
+    mnp[0] = _mm256_broadcastd_epi32(mn), mnp[1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
+    mnp[2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), mnp[3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
+}
+
+// The integer mins term of 8 consecutive rows of a super-block: per row, the sum over sub-blocks
+// of min times the activations' sum; bt: the rows' pair sums in ``Acts::kbt`` (pair p at p * ns * 2).
+inline __m256i mins8(const __m256i* mnp, const int16_t* bt, int64_t ns) {
+    __m256i mins = _mm256_madd_epi16(mnp[0], load32(reinterpret_cast<const int8_t*>(bt)));
+    for (int p = 1; p < 4; ++p)
+        mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[p], load32(reinterpret_cast<const int8_t*>(bt + p * ns * 2))));
+    return mins;
+}
+
 // A row's float steps per super-block: f += lanes * (dw * xd) on 8 lanes, and for Q4_K / Q5_K
 // macc += -mins * (dm * xd) on one float, mins = sum over the sub-blocks of min times the
 // activations' sum. The mins of a tile's rows take one vector step per 8 rows (``Acts::kbt``);
@@ -581,19 +598,12 @@ inline void tile_k(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256* 
         alignas(32) float dx[8 * C];
         const __m256 dw8 = _mm256_set1_ps(dw), dm8 = _mm256_set1_ps(dm);
         __m256i mnp[4];
-        if constexpr (has_min) {  // int16 pairs (min of sub-block 2p, of 2p + 1)
-            const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + i * 8)));
-            mnp[0] = _mm256_broadcastd_epi32(mn), mnp[1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
-            mnp[2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), mnp[3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
-        }
+        if constexpr (has_min) min_pairs(w, i, mnp);
         for (int c = 0; c < C; ++c) {
             const __m256 xd = _mm256_loadu_ps(a.kd.data() + m + 8 * c);
             _mm256_store_ps(dx + 8 * c, _mm256_mul_ps(dw8, xd));
             if constexpr (has_min) {
-                const int16_t* bt = a.kbt.data() + ((b * 4) * a.ns + r0 + 8 * c) * 2;
-                __m256i mins = _mm256_madd_epi16(mnp[0], load32(reinterpret_cast<const int8_t*>(bt)));
-                for (int p = 1; p < 4; ++p)
-                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mnp[p], load32(reinterpret_cast<const int8_t*>(bt + p * a.ns * 2))));
+                const __m256i mins = mins8(mnp, a.kbt.data() + ((b * 4) * a.ns + r0 + 8 * c) * 2, a.ns);
                 mv[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dm8, xd), mv[c]);
             }
         }
@@ -767,9 +777,7 @@ void decode_wide(const Part& w, int64_t j, WideBlock* blocks) {
             if constexpr (T == Q6_K) {
                 B.extra[c][0] = q6_offsets(w, i), B.dm[c] = 0.f;
             } else {
-                const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn + i * 8)));
-                B.extra[c][0] = _mm256_broadcastd_epi32(mn), B.extra[c][1] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0x55));
-                B.extra[c][2] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xAA)), B.extra[c][3] = _mm256_broadcastd_epi32(_mm_shuffle_epi32(mn, 0xFF));
+                min_pairs(w, i, B.extra[c]);
                 B.dm[c] = w.dm[i];
             }
         }
@@ -790,14 +798,12 @@ void wide_rows(const WideBlock* blocks, int64_t nb, const Acts& a, int64_t r0, f
         const WideBlock& B = blocks[b];
         const int64_t m = b * a.n + r0;
         const __m256 xd = _mm256_loadu_ps(a.kd.data() + m);
+        const int16_t* bt = has_min ? a.kbt.data() + ((b * 4) * a.ns + r0) * 2 : nullptr;
         alignas(32) float dx[WN][8];
         for (int c = 0; c < WN; ++c) {
             _mm256_store_ps(dx[c], _mm256_mul_ps(_mm256_set1_ps(B.dw[c]), xd));
-            if constexpr (has_min) {  // as tile_k: the sub-block pairs' mins against 8 rows' sums
-                const int16_t* bt = a.kbt.data() + ((b * 4) * a.ns + r0) * 2;
-                __m256i mins = _mm256_madd_epi16(B.extra[c][0], load32(reinterpret_cast<const int8_t*>(bt)));
-                for (int p = 1; p < 4; ++p)
-                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(B.extra[c][p], load32(reinterpret_cast<const int8_t*>(bt + p * a.ns * 2))));
+            if constexpr (has_min) {  // as tile_k
+                const __m256i mins = mins8(B.extra[c], bt, a.ns);
                 mv[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_set1_ps(B.dm[c]), xd), mv[c]);
             }
         }
