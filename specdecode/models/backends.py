@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from specdecode.errors import InvalidConfigError
-from specdecode.models import draft_quant, kernel_build, kernels
+from specdecode.models import draft_quant, gguf_forward, kernel_build, kernels
 from specdecode.models.attend import Attend, attend_blocked, attend_fast, attend_rows
 from specdecode.models.config import ModelConfig
 from specdecode.models.int4_forward import FusedForward, fused_int4_draft
@@ -41,7 +41,9 @@ class Backend(ABC):
     it. ``attend`` serves a chain of rows (decode, verify, prefill), ``attend_branch`` one
     root-to-leaf branch of a token tree; ``chain_keys`` says whether ``attend`` reads a key span and
     causal mask. ``fused``, when set, is a whole forward in one native call for calls of up to
-    ``fused_rows`` rows without a tree or a capture."""
+    ``fused_rows`` rows without a tree or a capture; a longer input runs as chunks of it when
+    ``fused_chunks``, else through the layers; ``fused_invariant`` says that it gives every row the
+    layers' bits, so calls that must stay on the invariant path may take it."""
 
     role: Role
     linear: kernels.LinearKernel
@@ -50,6 +52,8 @@ class Backend(ABC):
     chain_keys: bool
     fused: FusedForward | None = None
     fused_rows: int = 0
+    fused_chunks: bool = True
+    fused_invariant: bool = False
 
     def __init__(self, role: Role, linear: kernels.LinearKernel, invariant_attend: Attend, chain_keys: bool) -> None:
         """``invariant_attend``: this form's batch-invariant attention, a target's ``attend`` and
@@ -174,12 +178,25 @@ class GGUFBackend(Backend):
     them), and the row-wise native attention, which needs no key span or mask. The kernels are
     built (or refused, by name) here rather than at the first forward."""
 
-    def __init__(self, role: Role, eps: float) -> None:
+    fused_chunks = False  # a prompt takes the layers: their wide tiles serve many rows
+    fused_invariant = True
+
+    def __init__(self, role: Role, eps: float, fused: FusedForward | None = None) -> None:
+        """``fused``: the native whole forward over the weights (``gguf_forward.fused_gguf``), which
+        ``rebuilt`` makes once they are loaded."""
         kernel_build.load_gguf()
         kernel_build.load_attention()
         super().__init__(role, kernels.LinearKernel(kernels.linear_gguf, invariant=True), attend_rows,
                          chain_keys=False)
         self.eps = eps
+        self.fused = fused
+        self.fused_rows = gguf_forward.FUSED_MAX_ROWS if fused is not None else 0
+
+    def layered(self) -> "GGUFBackend":
+        return GGUFBackend(self.role, self.eps)
+
+    def rebuilt(self, config: ModelConfig, weights: DecoderWeights) -> "GGUFBackend":
+        return GGUFBackend(self.role, self.eps, gguf_forward.fused_gguf(config, weights))
 
     def norm_linear(self, linear: Linear, x: Tensor, norm: Tensor, w: LinearWeight) -> Tensor:
         return kernels.linear_gguf(x, w, norm=norm, eps=self.eps)

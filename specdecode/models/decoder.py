@@ -118,7 +118,8 @@ class Decoder:
             raise InvalidConfigError(f"native GGUF weights compute in float32 activations, not {dtype!r}")
         backend = backends.GGUFBackend(role, config.rms_norm_eps)  # its kernels built now, before the load
         packed = gguf_load.decoder_weights(gguf_load.native_weights(sources, progress), config)
-        return cls(config, DecoderWeights.from_packed(packed, config, torch.float32), backend)
+        weights = DecoderWeights.from_packed(packed, config, torch.float32)
+        return cls(config, weights, backend.rebuilt(config, weights))  # with its native forward
 
     def with_backend(self, backend: Backend) -> "Decoder":
         """A view of this decoder (every tensor shared) that computes with ``backend``, which must
@@ -168,15 +169,16 @@ class Decoder:
         ancestors instead; see ``forward_batch``. ``capture`` receives the rows' hidden states.
         ``invariant``: every row on the invariant kernels, however many (see ``forward_batch``).
         """
-        fused = self.backend.fused
-        if fused is None or tree is not None or capture is not None or invariant:
+        backend, n = self.backend, tokens.shape[0]
+        fused = backend.fused
+        if fused is None or tree is not None or capture is not None or (invariant and not backend.fused_invariant) \
+                or (n > backend.fused_rows and not backend.fused_chunks):
             return self.forward_batch([(tokens, cache)], last_only, [tree], [capture], invariant)[0]
         # A long input (a prompt, a draft catching up) runs as consecutive chunks of the fused
         # forward's rows, cheaper per token than the weights' many-rows copy (an int4 draft's
         # prefill: docs/PERFORMANCE.md, `scripts/draft_step.py --quantize int4 --rows 150`).
-        start, most = cache.reserve(tokens.shape[0]), self.backend.fused_rows
+        start, most = cache.reserve(n), backend.fused_rows
         rows = self.embed_tokens(tokens) if isinstance(self.embed, GGUFWeight) else tokens
-        n = tokens.shape[0]
         chunks = [fused.forward(rows[i : i + most], cache.k, cache.v, start + i, last_only, not last_only or i + most >= n)
                   for i in range(0, n, most)]
         return chunks[-1] if last_only else torch.cat(chunks)

@@ -105,6 +105,18 @@ inline void head_block(const float* q, const float* k, const float* v, int64_t d
     for (; c < d; c += 8) weighted_sums<H, 1>(s, ld, v + c, d, len, inv, out + c);
 }
 
+// Rotate-half RoPE of one head in place with a position's cos, sin [d]: x1 cos - x2 sin and
+// x2 cos + x1 sin, the operations and order of ``kernels.apply_rope``, so its bits where floats are
+// not contracted (the target's builds: ``kernel_build.gguf_flags``).
+inline void rope_half(float* t, const float* c, const float* s, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t l = 0; l < half; ++l) {
+        const float x1 = t[l], x2 = t[l + half];
+        t[l] = x1 * c[l] - x2 * s[l];
+        t[l + half] = x2 * c[l + half] + x1 * s[l + half];
+    }
+}
+
 // One row's attention for the query heads of one kv head, in blocks of up to 8 heads.
 inline void row_group(const float* q, const float* k, const float* v, int64_t group, int64_t d, int64_t len,
                float scale, float* out, std::vector<float>& buf) {

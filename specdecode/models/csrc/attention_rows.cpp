@@ -57,7 +57,7 @@ torch::Tensor attention_rows(const torch::Tensor& q, const torch::Tensor& k, con
 torch::Tensor rope_qkv(const torch::Tensor& qkv, const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
                        const torch::Tensor& sin, int64_t hq, int64_t hkv) {
     TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "qkv [n, width] float32");
-    const int64_t n = qkv.size(0), width = qkv.size(1), d = width / (hq + 2 * hkv), half = d / 2;
+    const int64_t n = qkv.size(0), width = qkv.size(1), d = width / (hq + 2 * hkv);
     TORCH_CHECK(d * (hq + 2 * hkv) == width && d % 2 == 0, "qkv width does not split into heads");
     TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == n && cos.size(1) == d && cos.is_contiguous() &&
                 sin.is_contiguous(), "cos and sin must be [n, head_dim]");
@@ -72,14 +72,7 @@ torch::Tensor rope_qkv(const torch::Tensor& qkv, const c10::optional<torch::Tens
         float* orow = o + r * width;
         const float *c = cp + r * d, *s = sp + r * d;
         for (int64_t e = 0; e < width; ++e) orow[e] = has_bias ? xr[e] + b[e] : xr[e];
-        for (int64_t h = 0; h < hq + hkv; ++h) {
-            float* t = orow + h * d;
-            for (int64_t l = 0; l < half; ++l) {
-                const float x1 = t[l], x2 = t[l + half];
-                t[l] = x1 * c[l] - x2 * s[l];
-                t[l + half] = x2 * c[l + half] + x1 * s[l + half];
-            }
-        }
+        for (int64_t h = 0; h < hq + hkv; ++h) attention::rope_half(orow + h * d, c, s, d);
     }
     return out;
 }

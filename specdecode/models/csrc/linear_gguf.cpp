@@ -27,12 +27,15 @@
 //   Q8_0: q [nb*32] int8, d [nb].  (nb: blocks per row of 256 or 32 inputs.)
 #include <torch/extension.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "attention.h"
 #include "lanes.h"
 
 namespace {
@@ -141,15 +144,12 @@ void block_sums(const int8_t* qb, int64_t block, int16_t* bs) {
 #endif
 }
 
-Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (&orders)[2] = {false, false}) {
-    Acts a;
+// Sizes ``a`` for n rows of ``in`` inputs in blocks of ``block``, zeroed (a tile reads the padding
+// rows of ``kd`` and ``kbt``); ``orders`` says which ``kperm`` orders the weights need.
+void init_acts(Acts& a, int64_t n, int64_t in, int64_t block, const bool (&orders)[2]) {
+    a = Acts{};
     a.n = n, a.in = in, a.block = block, a.nb = in / block, a.sums = block == 256 ? 16 : 1;
     a.q.resize(n * in), a.d.resize(n * a.nb), a.bs.resize(n * a.nb * a.sums);
-    static const auto tables = [] {  // kperm moves whole dwords: dword p / 4 takes dword kperm(p) / 4
-        std::array<std::array<uint8_t, 64>, 2> t{};
-        for (int p = 0; p < 64; ++p) t[0][p] = kperm(true, 4 * p) / 4, t[1][p] = kperm(false, 4 * p) / 4;
-        return t;
-    }();
     const bool major = n > 1 && (orders[0] || orders[1]);  // one-row tiles read the natural order
     for (int o = 0; o < 2; ++o)
         if (major && orders[o]) a.kq[o].resize(n * in);
@@ -157,28 +157,44 @@ Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (
     if (major) a.kd.resize(n * a.nb + 8);
     if (major && orders[0]) a.kbt.resize(a.nb * 4 * a.ns * 2);
     if (major && orders[1]) a.kbs.resize(n * a.nb * 16);
-    at::parallel_for(0, n * a.nb, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-            const float* xb = x + i * block;
-            int8_t* qb = a.q.data() + i * block;
-            const float amax = quantize_block(xb, block, qb);
-            a.d[i] = amax / 127.f;
-            block_sums(qb, block, a.bs.data() + i * a.sums);
-            if (!major) continue;
-            const int64_t m = (i % a.nb) * n + i / a.nb;  // block-major index of (row, block)
-            a.kd[m] = a.d[i];
-            const int16_t* bs = a.bs.data() + i * 16;
-            if (!a.kbs.empty())
-                for (int k = 0; k < 8; ++k)
-                    a.kbs[m * 16 + 2 * k] = bs[2 * (k & 3) + (k >> 2)], a.kbs[m * 16 + 2 * k + 1] = bs[2 * (k & 3) + (k >> 2) + 8];
-            if (!a.kbt.empty())
-                for (int s = 0; s < 8; ++s)  // sub-block s = 2p + (s & 1)
-                    a.kbt[(((i % a.nb) * 4 + s / 2) * a.ns + i / a.nb) * 2 + (s & 1)] = static_cast<int16_t>(bs[2 * s] + bs[2 * s + 1]);
-            for (int o = 0; o < 2; ++o)
-                if (!a.kq[o].empty())
-                    for (int p = 0; p < 64; ++p) std::memcpy(a.kq[o].data() + m * 256 + 4 * p, qb + 4 * tables[o][p], 4);
-        }
-    });
+}
+
+// Blocks i in [begin, end) of x [n, in] (row i / nb, block i % nb) into ``a``, sized by ``init_acts``.
+// Each block is written alone, so any partition of 0 .. n * nb among threads gives the same ``a``.
+void quantize_blocks(Acts& a, const float* x, int64_t begin, int64_t end) {
+    static const auto tables = [] {  // kperm moves whole dwords: dword p / 4 takes dword kperm(p) / 4
+        std::array<std::array<uint8_t, 64>, 2> t{};
+        for (int p = 0; p < 64; ++p) t[0][p] = kperm(true, 4 * p) / 4, t[1][p] = kperm(false, 4 * p) / 4;
+        return t;
+    }();
+    const int64_t n = a.n, block = a.block;
+    const bool major = !a.kd.empty();
+    for (int64_t i = begin; i < end; ++i) {
+        const float* xb = x + i * block;
+        int8_t* qb = a.q.data() + i * block;
+        const float amax = quantize_block(xb, block, qb);
+        a.d[i] = amax / 127.f;
+        block_sums(qb, block, a.bs.data() + i * a.sums);
+        if (!major) continue;
+        const int64_t m = (i % a.nb) * n + i / a.nb;  // block-major index of (row, block)
+        a.kd[m] = a.d[i];
+        const int16_t* bs = a.bs.data() + i * 16;
+        if (!a.kbs.empty())
+            for (int k = 0; k < 8; ++k)
+                a.kbs[m * 16 + 2 * k] = bs[2 * (k & 3) + (k >> 2)], a.kbs[m * 16 + 2 * k + 1] = bs[2 * (k & 3) + (k >> 2) + 8];
+        if (!a.kbt.empty())
+            for (int s = 0; s < 8; ++s)  // sub-block s = 2p + (s & 1)
+                a.kbt[(((i % a.nb) * 4 + s / 2) * a.ns + i / a.nb) * 2 + (s & 1)] = static_cast<int16_t>(bs[2 * s] + bs[2 * s + 1]);
+        for (int o = 0; o < 2; ++o)
+            if (!a.kq[o].empty())
+                for (int p = 0; p < 64; ++p) std::memcpy(a.kq[o].data() + m * 256 + 4 * p, qb + 4 * tables[o][p], 4);
+    }
+}
+
+Acts quantize(const float* x, int64_t n, int64_t in, int64_t block, const bool (&orders)[2] = {false, false}) {
+    Acts a;
+    init_acts(a, n, in, block, orders);
+    at::parallel_for(0, n * a.nb, 64, [&](int64_t begin, int64_t end) { quantize_blocks(a, x, begin, end); });
     return a;
 }
 
@@ -931,16 +947,18 @@ void rms_row(const float* x, const float* weight, int64_t in, float eps, float* 
 
 // SiLU-gated product of a gate|up row: silu(g) * u, silu(g) = g * sigmoid(g) with
 // sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows).
-void glu_row(const float* gate_up, int64_t in, float* y) {
+void glu_span(const float* gate, const float* up, int64_t len, float* y) {
     using namespace lanes;
-    for (int64_t k = 0; k < in; k += 8) {
-        const V8 g = load(gate_up + k), u = load(gate_up + in + k);
+    for (int64_t k = 0; k < len; k += 8) {
+        const V8 g = load(gate + k), u = load(up + k);
         const V8 e = exp8(neg_abs(g));
         const V8 one = splat(1.f);
         const V8 sig = select_nonneg(g, div(one, add(one, e)), div(e, add(one, e)));
         store(y + k, mul(mul(g, sig), u));
     }
 }
+
+void glu_row(const float* gate_up, int64_t in, float* y) { glu_span(gate_up, gate_up + in, in, y); }
 
 enum Pre : int64_t { PRE_NONE = 0, PRE_RMS = 1, PRE_GLU = 2 };
 
@@ -979,15 +997,271 @@ Part make_part(int type, int64_t out, int64_t in, const std::vector<torch::Tenso
     return w;
 }
 
+using Parts = std::vector<std::tuple<int64_t, int64_t, std::vector<torch::Tensor>>>;
+
+// Matrices applied to the same input, outputs concatenated (q|k|v, gate|up), and what their
+// activations need: 256-blocks for the k-quants (in the ``kperm`` orders their multi-row tiles
+// read), 32-blocks for the others.
+struct Matrix {
+    std::vector<Part> ws;
+    std::vector<int64_t> starts{0};  // each part's first output
+    int64_t in = 0, total = 0;
+    bool need_k = false, need_32 = false, orders[2] = {false, false};
+};
+
+Matrix make_matrix(const Parts& parts, int64_t in) {
+    Matrix m;
+    m.in = in;
+    for (const auto& [type, out, planes] : parts) {
+        m.ws.push_back(make_part(static_cast<int>(type), out, in, planes));
+        m.total += out;
+        m.starts.push_back(m.total);
+        (is_k(static_cast<int>(type)) ? m.need_k : m.need_32) = true;
+        if (lanes::avx2() && is_k(static_cast<int>(type))) m.orders[type == Q6_K ? 1 : 0] = true;
+    }
+    return m;
+}
+
+// What activations a matrix needs; ``merge`` makes one set serve several matrices (the same step
+// of every layer: the layers of a Q4_K_M file mix Q4_K and Q6_K).
+struct Needs {
+    int64_t in = 0;
+    bool k = false, b32 = false, orders[2] = {false, false};
+    explicit Needs(const Matrix& m) : in(m.in), k(m.need_k), b32(m.need_32), orders{m.orders[0], m.orders[1]} {}
+    void merge(const Matrix& m) {
+        k |= m.need_k, b32 |= m.need_32, orders[0] |= m.orders[0], orders[1] |= m.orders[1];
+    }
+};
+
+// A matrix's activations for n rows (``Acts`` per block size it needs).
+struct MatrixActs {
+    Acts k, b32;
+    void init(const Needs& m, int64_t n) {
+        const bool none[2] = {false, false};
+        if (m.k) init_acts(k, n, m.in, 256, m.orders);
+        if (m.b32) init_acts(b32, n, m.in, 32, none);
+    }
+    // Share t of T of the rows' blocks (x [n, in]); the shares of 0 .. T - 1 quantize them all.
+    void quantize(const float* x, int64_t t, int64_t T) {
+        for (Acts* a : {&k, &b32})
+            if (a->n) quantize_blocks(*a, x, a->n * a->nb * t / T, a->n * a->nb * (t + 1) / T);
+    }
+    // Rows r0 .. r1 - 1 (x: row r0).
+    void quantize_rows(const float* x, int64_t r0, int64_t r1) {
+        for (Acts* a : {&k, &b32})
+            if (a->n) quantize_blocks(*a, x - r0 * a->in, r0 * a->nb, r1 * a->nb);
+    }
+};
+
+// Outputs [begin, end) of ``m`` for every row into y [n, m.total], in blocks of COLS outputs that
+// never cross a part. Each output is computed alone, so any split among threads gives the same bits.
+void outputs(const Matrix& m, const MatrixActs& a, int64_t begin, int64_t end, float* y) {
+    size_t p = std::upper_bound(m.starts.begin(), m.starts.end(), begin) - m.starts.begin() - 1;
+    for (int64_t col = begin; col < end;) {
+        while (col >= m.starts[p + 1]) ++p;
+        const int64_t stop = std::min({col + COLS, end, m.starts[p + 1]});
+        const Part& w = m.ws[p];
+        output_rows(w, is_k(w.type) ? a.k : a.b32, col - m.starts[p], stop - m.starts[p], y, m.total, col);
+        col = stop;
+    }
+}
+
+// ---- A target's whole forward for its decode and verify rows, in one call. -------------------
+// Why: through the Python layers a decode step of the 1.5B target makes some 200 calls, seven a
+// layer, and the second thread waits while Python runs between them. Here one OpenMP team runs
+// every layer and meets at a barrier wherever a step needs another thread's results. Every step
+// is the function the layered path calls (``rms_row``, ``glu_span``, ``quantize_blocks``,
+// ``outputs``, ``attention::rope_half`` and ``row_group``) on the same values in the same order, and
+// each thread's share of a step is a set of whole rows, blocks, outputs or kv heads, each computed
+// alone: so a row gets the bits of ``linear_gguf`` and ``attention_rows`` (tests/test_gguf_forward.py).
+class GGUFForward {
+  public:
+    using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, Parts, Parts, Parts, Parts>;
+
+    // layers[i]: in_norm, post_norm, qkv_bias (empty if none), and the parts of qkv, o, gate_up
+    // and down (``GGUFLinear.args``); lm_head's parts likewise. cos/sin: [positions, head_dim].
+    GGUFForward(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor cos, torch::Tensor sin,
+                torch::Tensor norm, const Parts& lm_head, const std::vector<LayerArgs>& layers)
+        : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), cos_(cos.contiguous()), sin_(sin.contiguous()),
+          norm_(norm.contiguous()) {
+        hidden_ = norm_.numel();
+        const int64_t width = (heads + 2 * kv_heads) * head_dim;
+        TORCH_CHECK(head_dim % 8 == 0 && heads % kv_heads == 0, "head_dim must be a multiple of 8, heads of kv_heads");
+        TORCH_CHECK(cos_.scalar_type() == torch::kFloat32 && sin_.sizes() == cos_.sizes() && cos_.size(1) == head_dim,
+                    "cos and sin must be [positions, head_dim] float32");
+        keep(lm_head);
+        lm_head_ = make_matrix(lm_head, hidden_);
+        for (const auto& [in_norm, post_norm, bias, qkv, o, gate_up, down] : layers) {
+            keep(qkv), keep(o), keep(gate_up), keep(down);
+            Layer L{in_norm.contiguous(), post_norm.contiguous(), bias.contiguous(), make_matrix(qkv, hidden_),
+                    make_matrix(o, heads * head_dim), make_matrix(gate_up, hidden_), Matrix{}};
+            TORCH_CHECK(L.in_norm.numel() == hidden_ && L.post_norm.numel() == hidden_, "norms must be [hidden]");
+            TORCH_CHECK(!L.bias.numel() || L.bias.numel() == width, "qkv_bias must be [(heads + 2 kv_heads) head_dim]");
+            TORCH_CHECK(L.qkv.total == width && L.o.total == hidden_ && L.gate_up.total % 2 == 0, "bad layer shapes");
+            L.down = make_matrix(down, L.gate_up.total / 2);
+            TORCH_CHECK(L.down.total == hidden_ && L.down.in % 8 == 0, "bad down shape");
+            TORCH_CHECK(layers_.empty() || (L.qkv.total == layers_[0].qkv.total && L.down.in == layers_[0].down.in),
+                        "every layer must have the same shapes");
+            const Matrix* ms[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+            for (int i = 0; i < 4; ++i)
+                if (layers_.empty()) needs_.emplace_back(*ms[i]); else needs_[i].merge(*ms[i]);
+            layers_.push_back(std::move(L));
+        }
+    }
+
+    // x [n, hidden] float32 (embedded rows) at cache slots start .. start + n - 1 of k/v [layers,
+    // kv_heads, capacity, head_dim], which it fills; logits [n, V], or [1, V] of the last row with
+    // ``last_only``; ``head`` false: none (an empty [0, V]).
+    torch::Tensor forward(const torch::Tensor& x, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, bool last_only,
+                          bool head) {
+        const int64_t n = x.size(0), D = hidden_;
+        TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.scalar_type() == torch::kFloat32 && n > 0, "x must be [n > 0, hidden] float32");
+        TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                        k_cache.size(0) == static_cast<int64_t>(layers_.size()) && k_cache.size(1) == kv_heads_ &&
+                        k_cache.size(3) == head_dim_ && v_cache.sizes() == k_cache.sizes() &&
+                        k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
+                    "bad kv cache");
+        State s;
+        s.n = n, s.start = start, s.capacity = k_cache.size(2);
+        TORCH_CHECK(start >= 0 && start + n <= s.capacity && start + n <= cos_.size(0), "slots past the cache");
+        s.first = !head ? n : last_only ? n - 1 : 0;
+        auto logits = torch::empty({n - s.first, lm_head_.total}, x.options());
+        s.logits = logits.data_ptr<float>();
+        s.k = k_cache.data_ptr<float>(), s.v = v_cache.data_ptr<float>();
+        const torch::Tensor xc = x.contiguous();
+        s.x.assign(xc.data_ptr<float>(), xc.data_ptr<float>() + n * D);
+        const int64_t inter = layers_.empty() ? 0 : layers_[0].down.in;
+        s.h.resize(n * D), s.y.resize(n * D), s.qkv.resize(n * (heads_ + 2 * kv_heads_) * head_dim_);
+        s.attn.resize(n * heads_ * head_dim_), s.gate_up.resize(n * 2 * inter), s.act.resize(n * inter);
+        if (!layers_.empty())
+            for (int i = 0; i < 4; ++i) s.acts[i].init(needs_[i], n);
+        s.a_head.init(Needs(lm_head_), n - s.first);
+        const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+        run(s, omp_get_thread_num(), omp_get_num_threads());
+        return logits;
+    }
+
+  private:
+    struct Layer {
+        torch::Tensor in_norm, post_norm, bias;
+        Matrix qkv, o, gate_up, down;
+    };
+
+    struct State {  // one forward's buffers, shared by its threads
+        int64_t n = 0, start = 0, capacity = 0, first = 0;
+        float *k = nullptr, *v = nullptr, *logits = nullptr;
+        std::vector<float> x, h, y, qkv, attn, gate_up, act;
+        MatrixActs acts[4], a_head;  // acts: of qkv, o, gate_up and down (``needs_``)
+    };
+
+    static int64_t share(int64_t total, int t, int T) { return total * t / T; }
+
+    // RMS norm of rows r0 .. r0 + m - 1 of s.x into s.h (from row 0), quantized into a: this thread's rows.
+    void norm_rows(State& s, const float* weight, int64_t r0, int64_t m, MatrixActs& a, int t, int T) const {
+        const int64_t D = hidden_;
+        const int64_t lo = share(m, t, T), hi = share(m, t + 1, T);
+        for (int64_t r = lo; r < hi; ++r) rms_row(s.x.data() + (r0 + r) * D, weight, D, static_cast<float>(eps_), s.h.data() + r * D);
+        if (hi > lo) a.quantize_rows(s.h.data() + lo * D, lo, hi);
+    }
+
+    // y = m(activations) for this thread's outputs, then x += y on them (the residual).
+    void add_outputs(State& s, const Matrix& m, const MatrixActs& a, int t, int T) const {
+        const int64_t D = hidden_, lo = share(D, t, T), hi = share(D, t + 1, T);
+        outputs(m, a, lo, hi, s.y.data());
+        for (int64_t r = 0; r < s.n; ++r)
+            for (int64_t j = lo; j < hi; ++j) s.x[r * D + j] = s.x[r * D + j] + s.y[r * D + j];
+    }
+
+    void run(State& s, int t, int T) const {
+        const int64_t n = s.n, d = head_dim_, hq = heads_, hkv = kv_heads_, group = hq / hkv;
+        const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+        std::vector<float> scores;  // attention's scratch
+        for (size_t li = 0; li < layers_.size(); ++li) {
+            const Layer& L = layers_[li];
+            const int64_t width = L.qkv.total, inter = L.down.in;
+            norm_rows(s, L.in_norm.data_ptr<float>(), 0, n, s.acts[0], t, T);
+#pragma omp barrier
+            outputs(L.qkv, s.acts[0], share(width, t, T), share(width, t + 1, T), s.qkv.data());
+#pragma omp barrier
+            for (int64_t g = share(hkv, t, T); g < share(hkv, t + 1, T); ++g) {
+                const int64_t slot0 = (li * hkv + g) * s.capacity;
+                rope_attend(s, L, g, group, width, s.k + slot0 * d, s.v + slot0 * d, scale, scores);
+            }
+#pragma omp barrier
+            s.acts[1].quantize(s.attn.data(), t, T);
+#pragma omp barrier
+            add_outputs(s, L.o, s.acts[1], t, T);
+#pragma omp barrier
+            norm_rows(s, L.post_norm.data_ptr<float>(), 0, n, s.acts[2], t, T);
+#pragma omp barrier
+            outputs(L.gate_up, s.acts[2], share(2 * inter, t, T), share(2 * inter, t + 1, T), s.gate_up.data());
+#pragma omp barrier
+            const int64_t k0 = share(inter / 8, t, T) * 8, k1 = share(inter / 8, t + 1, T) * 8;
+            for (int64_t r = 0; r < n; ++r) {
+                const float* gu = s.gate_up.data() + r * 2 * inter;
+                glu_span(gu + k0, gu + inter + k0, k1 - k0, s.act.data() + r * inter + k0);
+            }
+#pragma omp barrier
+            s.acts[3].quantize(s.act.data(), t, T);
+#pragma omp barrier
+            add_outputs(s, L.down, s.acts[3], t, T);
+#pragma omp barrier
+        }
+        const int64_t m = n - s.first, V = lm_head_.total;
+        if (m == 0) return;
+        norm_rows(s, norm_.data_ptr<float>(), s.first, m, s.a_head, t, T);
+#pragma omp barrier
+        outputs(lm_head_, s.a_head, share(V, t, T), share(V, t + 1, T), s.logits);
+    }
+
+    // Kv head g of every row: bias and RoPE on its query heads and key, its key and value into the
+    // cache (kc, vc: head g's slots), then those queries' attention; row r sees slots 0 .. start + r.
+    void rope_attend(State& s, const Layer& L, int64_t g, int64_t group, int64_t width, float* kc, float* vc, float scale,
+                     std::vector<float>& scores) const {
+        const int64_t d = head_dim_, hq = heads_, hkv = kv_heads_;
+        const float* bias = L.bias.numel() ? L.bias.data_ptr<float>() : nullptr;
+        for (int64_t r = 0; r < s.n; ++r) {
+            float* row = s.qkv.data() + r * width;
+            const float* c = cos_.data_ptr<float>() + (s.start + r) * d;
+            const float* sn = sin_.data_ptr<float>() + (s.start + r) * d;
+            for (int64_t j = 0; j < group + 2; ++j) {
+                const int64_t head = j < group ? g * group + j : j == group ? hq + g : hq + hkv + g;
+                float* v = row + head * d;
+                if (bias)
+                    for (int64_t e = 0; e < d; ++e) v[e] = v[e] + bias[head * d + e];
+                if (head < hq + hkv) attention::rope_half(v, c, sn, d);
+            }
+            std::copy_n(row + (hq + g) * d, d, kc + (s.start + r) * d);
+            std::copy_n(row + (hq + hkv + g) * d, d, vc + (s.start + r) * d);
+        }
+        for (int64_t r = 0; r < s.n; ++r)  // the group's query heads share each key and value load
+            attention::row_group(s.qkv.data() + r * width + g * group * d, kc, vc, group, d, s.start + r + 1, scale,
+                                 s.attn.data() + r * hq * d + g * group * d, scores);
+    }
+
+    void keep(const Parts& parts) {  // the planes the parts point into
+        for (const auto& part : parts)
+            for (const auto& plane : std::get<2>(part)) keep_.push_back(plane);
+    }
+
+    int64_t heads_, kv_heads_, head_dim_, hidden_ = 0;
+    double eps_;
+    torch::Tensor cos_, sin_, norm_;
+    Matrix lm_head_;
+    std::vector<Layer> layers_;
+    std::vector<Needs> needs_;  // the activations of every layer's qkv, o, gate_up and down
+    std::vector<torch::Tensor> keep_;
+};
+
 }  // namespace
 
 // y [n, sum of parts' out] = residual + T(x) @ concat(parts).T; each part: (type, out, planes).
 // T (``pre``): none; RMS norm with ``norm`` weights and ``eps``; or the SiLU-gated product of
 // x = [gate | up] (x has twice the parts' inputs). ``residual`` [n, out], when given, is added to
 // each output after its dot product.
-torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<int64_t, int64_t, std::vector<torch::Tensor>>>& parts,
-                          int64_t pre, const c10::optional<torch::Tensor>& norm_opt, double eps,
-                          const c10::optional<torch::Tensor>& residual_opt) {
+torch::Tensor linear_gguf(const torch::Tensor& x, const Parts& parts, int64_t pre, const c10::optional<torch::Tensor>& norm_opt,
+                          double eps, const c10::optional<torch::Tensor>& residual_opt) {
     const torch::Tensor norm = norm_opt.value_or(torch::Tensor()), residual = residual_opt.value_or(torch::Tensor());
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [n, in] float32");
     TORCH_CHECK(pre == PRE_NONE || pre == PRE_RMS || pre == PRE_GLU, "pre must be 0 (none), 1 (rms) or 2 (glu)");
@@ -995,41 +1269,23 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const std::vector<std::tuple<i
     TORCH_CHECK(pre != PRE_GLU || x.size(1) == 2 * in, "a gated input has an even width");
     TORCH_CHECK(pre != PRE_RMS || (norm.defined() && norm.numel() == in && norm.is_contiguous() && norm.scalar_type() == torch::kFloat32),
                 "the norm weight must be [in] float32");
-    std::vector<Part> ws;
-    int64_t total = 0;
-    bool need_k = false, need_32 = false, orders[2] = {false, false};
-    for (const auto& [type, out, planes] : parts) {
-        ws.push_back(make_part(static_cast<int>(type), out, in, planes));
-        total += out;
-        (is_k(static_cast<int>(type)) ? need_k : need_32) = true;
-        if (lanes::avx2() && is_k(static_cast<int>(type))) orders[type == Q6_K ? 1 : 0] = true;
-    }
+    const Matrix m = make_matrix(parts, in);
     const bool add = residual.defined();
-    TORCH_CHECK(!add || (residual.dim() == 2 && residual.size(0) == n && residual.size(1) == total &&
+    TORCH_CHECK(!add || (residual.dim() == 2 && residual.size(0) == n && residual.size(1) == m.total &&
                          residual.is_contiguous() && residual.scalar_type() == torch::kFloat32),
                 "the residual must be [n, out] float32");
-    auto y = torch::empty({n, total}, x.options());
+    auto y = torch::empty({n, m.total}, x.options());
     if (n == 0) return y;
     std::vector<float> buf;
     const float* xs = prepare(x, pre, norm, eps, in, buf);
-    const Acts ak = need_k ? quantize(xs, n, in, 256, orders) : Acts{};
-    const Acts a32 = need_32 ? quantize(xs, n, in, 32) : Acts{};
-    std::vector<int64_t> starts{0};
-    for (const auto& w : ws) starts.push_back(starts.back() + w.out);
+    MatrixActs a;
+    if (m.need_k) a.k = quantize(xs, n, in, 256, m.orders);
+    if (m.need_32) a.b32 = quantize(xs, n, in, 32);
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, total, 8, [&](int64_t begin, int64_t end) {
-        size_t p = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
-        for (int64_t col = begin; col < end;) {  // blocks of COLS outputs, never across parts
-            while (col >= starts[p + 1]) ++p;
-            const int64_t stop = std::min({col + COLS, end, starts[p + 1]});
-            const Part& w = ws[p];
-            output_rows(w, is_k(w.type) ? ak : a32, col - starts[p], stop - starts[p], yp, total, col);
-            col = stop;
-        }
-    });
+    at::parallel_for(0, m.total, 8, [&](int64_t begin, int64_t end) { outputs(m, a, begin, end, yp); });
     if (add) {  // one float add per output, after its dot product: rows stay independent
         const float* rp = residual.data_ptr<float>();
-        for (int64_t i = 0; i < n * total; ++i) yp[i] = rp[i] + yp[i];
+        for (int64_t i = 0; i < n * m.total; ++i) yp[i] = rp[i] + yp[i];
     }
     return y;
 }
@@ -1072,6 +1328,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("parts"), py::arg("pre") = 0, py::arg("norm") = py::none(), py::arg("eps") = 0.0,
           py::arg("residual") = py::none());
     m.def("dequantize_rows", &dequantize_rows, "float rows of a GGUF-quantized weight");
+    py::class_<GGUFForward>(m, "GGUFForward")
+        .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor, const Parts&,
+                      const std::vector<GGUFForward::LayerArgs>&>())
+        .def("forward", &GGUFForward::forward, "logits of rows through every layer, writing their keys and values",
+             py::arg("x"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("last_only"),
+             py::arg("head") = true);
     m.def("avx2", &lanes::avx2, "whether this build uses AVX2 (else the portable C++ build)");
     m.def("isa", [] {
 #if defined(GGUF_VNNI)
