@@ -1,13 +1,14 @@
-"""Time a native GGUF target's decode step with its fused native layer steps against the same
-weights through torch's small ops, and its prefill rate.
+"""Time a native GGUF target's decode step, native whole forward against its layers and against
+torch's small ops on the same weights, and its prefill rate.
 
     python scripts/native_steps.py [MODEL] [--context 256] [--rows 1,4,8] [--prefill 128]
 
-The two variants run interleaved in one process (median of 8 each): "native" is what a GGUF
-target runs (``backends.GGUFBackend``: fused steps and the row-wise attention), "torch" the same
-GGUF matrix products with the norms, gate, residuals, RoPE and attention as torch calls
-(``backends.TorchLayers`` around the GGUF kernel).
-The variants differ in rounding, so only their times are compared.
+The three variants run interleaved in one process (median of 8 each): "native" is what a GGUF
+target runs (``backends.GGUFBackend``: its whole forward in one native call for up to 15 rows,
+``gguf_forward.py``), "native layers" the same steps as one kernel call each from Python (the
+same bits), "torch" the same GGUF matrix products with the norms, gate, residuals, RoPE and
+attention as torch calls (``backends.TorchLayers`` around the GGUF kernel), which round
+differently, so only the times are compared.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(args.model, max_seq_len=max(1024, args.prefill + 16), progress=False)
     target, cache = llm.target, llm.engine.cache
-    variants = {"native": target,
+    variants = {"native": target, "native layers": target.with_backend(target.backend.layered()),
                 "torch": target.with_backend(TorchLayers("target", target.config.rms_norm_eps, target.backend.linear))}
     ids = list(range(1000, 1000 + args.context))
     cache.reset()

@@ -3,9 +3,10 @@ and everything else (norms, residuals and KV writes outside the kernels, Python)
 
     python scripts/step_parts.py [--model qwen2.5-coder-1.5b-instruct] [--context 256,1024] [--steps 20]
 
-Each kernel function is wrapped with a timer for the run; a step is one token on the
-batch-invariant path the engine takes, after a prefill of ``context`` random tokens, and is
-then trimmed back, so every timed step sees the same context.
+A step is one token after a prefill of ``context`` random tokens, then trimmed back, so every
+timed step sees the same context. The parts come from the target's Python layers (each kernel
+function wrapped with a timer for the run); the engine's own step, a GGUF target's native whole
+forward (``gguf_forward.py``), runs the same kernels in one call and is timed beside them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from specdecode.api import LLM
 from specdecode.models import kernels
+from specdecode.models.decoder import Decoder
 
 TIMED = ("linear_gguf", "attention_rows", "rope_qkv")
 
@@ -43,26 +45,36 @@ def main() -> None:
     seconds: dict[str, float] = collections.defaultdict(float)
     for name in TIMED:
         setattr(kernels, name, timed(seconds, name, getattr(kernels, name)))
-    target = LLM(args.model, method="none", progress=False).target
+    engine = LLM(args.model, method="none", progress=False).target
+    layered = engine.with_backend(engine.backend.layered())
     token = torch.tensor([5])
     for context in (int(c) for c in args.context.split(",")):
-        cache = target.new_cache(context + 8)
-        target.forward(torch.randint(0, 1000, (context,)), cache, last_only=True, invariant=True)
+        cache = engine.new_cache(context + 8)
+        engine.forward(torch.randint(0, 1000, (context,)), cache, last_only=True, invariant=True)
 
-        def step() -> None:
-            target.forward(token, cache, last_only=True, invariant=True)
+        def step(model: Decoder) -> None:
+            model.forward(token, cache, last_only=True, invariant=True)
             cache.length -= 1
 
+        # Interleaved, so both see the same moments of the machine; the native forward calls no
+        # wrapped function, so the parts count the layers' steps alone.
+        models = {"layers": layered} if engine.backend.fused is None else {"engine": engine, "layers": layered}
+        times = dict.fromkeys(models, 0.0)
         for _ in range(3):
-            step()
+            for model in models.values():
+                step(model)
         seconds.clear()
-        start = time.perf_counter()
         for _ in range(args.steps):
-            step()
-        total = (time.perf_counter() - start) / args.steps
+            for name, model in models.items():
+                start = time.perf_counter()
+                step(model)
+                times[name] += time.perf_counter() - start
+        total = times["layers"] / args.steps
         parts = {name: seconds[name] / args.steps for name in TIMED}
         cells = ", ".join(f"{name} {s * 1e3:.2f}" for name, s in parts.items())
-        print(f"context {context}: step {total * 1e3:.1f} ms: {cells}, the rest {(total - sum(parts.values())) * 1e3:.2f}")
+        native = f"; the native forward's step {times['engine'] / args.steps * 1e3:.1f} ms" if "engine" in times else ""
+        print(f"context {context}: step through the layers {total * 1e3:.1f} ms: {cells}, "
+              f"the rest {(total - sum(parts.values())) * 1e3:.2f}{native}")
 
 
 if __name__ == "__main__":
