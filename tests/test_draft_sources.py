@@ -8,6 +8,7 @@ import torch
 from specdecode import SamplingParams
 from specdecode.drafters.base import Drafter, DraftSource, run_alone
 from specdecode.drafters.combined import CombinedDrafter
+from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter, match_bucket
 from specdecode.sequence import DraftProposal, SequenceState
 
@@ -39,6 +40,22 @@ def test_suffix_offers_its_continuation_under_the_match_length_bucket():
     assert source.name == "suffix/match4" and source.cost_prior == 0.0 and source.limit == 7
     assert run_alone(source.draft(seq, 3)).tokens.tolist() == [6, 9, 1]
     assert drafter.sources(_seq([1, 2, 3, 4])) == ()  # no match: nothing to offer
+
+
+def test_ngram_offers_its_continuation_under_the_match_length_bucket():
+    drafter = NgramDrafter()
+    seq = _seq([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4])
+    drafter.begin(seq)
+    (source,) = drafter.sources(seq)
+    assert source.name == "ngram/match4" and source.cost_prior == 0.0 and source.acceptance_prior == 0.7
+    assert run_alone(source.draft(seq, 3)).tokens.tolist() == [5, 6, 9]
+    short = _seq([5, 8, 2, 5])  # only the last token occurred before: a one-token match's weaker bet
+    drafter.begin(short)
+    (weak,) = drafter.sources(short)
+    assert weak.name == "ngram/match1" and weak.acceptance_prior == 0.5
+    fresh = _seq([1, 2, 3])
+    drafter.begin(fresh)
+    assert drafter.sources(fresh) == ()  # no match: a plain step, no verify row spent on a guess
 
 
 def test_combined_offers_the_copy_first_then_the_draft_model():

@@ -19,7 +19,9 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, DraftSource, copy_source
+from specdecode.drafters.suffix import COPY_ACCEPTANCE, match_bucket
+from specdecode.params import MAX_SPECULATIVE_TOKENS
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 
 MAX_OCCURRENCES = 4  # positions kept per n-gram: the earliest and the next few
@@ -54,9 +56,24 @@ class NgramDrafter(Drafter):
         found = self.continuations(seq.token_ids, k, limit=1)
         return DraftProposal(torch.tensor(found[0], dtype=torch.long), None) if found else EMPTY_PROPOSAL
 
+    def sources(self, seq: SequenceState) -> tuple[DraftSource, ...]:
+        """The continuation of the longest suffix that occurred before, named by that suffix's
+        length as the suffix drafter names its copies (``suffix.match_bucket``): a copy after a
+        one-token match is a far weaker bet than after four, so the policy learns each apart,
+        starting from ``suffix.COPY_ACCEPTANCE``. None when nothing matches: a plain step."""
+        found, n = self._matches(seq.token_ids, MAX_SPECULATIVE_TOKENS, limit=1)
+        if not found:
+            return ()
+        bucket = match_bucket(n)
+        return (copy_source(f"{self.name}/{bucket}", found[0], COPY_ACCEPTANCE[bucket]),)
+
     def continuations(self, tokens: list[int], k: int, limit: int) -> list[list[int]]:
         """Up to ``limit`` distinct continuations (each up to ``k`` tokens) of the longest suffix of
         ``tokens`` that occurred before, earliest occurrence first."""
+        return self._matches(tokens, k, limit)[0]
+
+    def _matches(self, tokens: list[int], k: int, limit: int) -> tuple[list[list[int]], int]:
+        """``continuations`` and the length of the suffix they follow (0 when none)."""
         self._update(tokens)
         for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
             follows = self._index.get(tuple(tokens[-n:]))
@@ -68,8 +85,8 @@ class NgramDrafter(Drafter):
                         found.append(draft)
                     if len(found) == limit:
                         break
-                return found
-        return []
+                return found, n
+        return [], 0
 
     def accept(self, seq: SequenceState, n_accepted: int) -> None:
         """Stateless between steps apart from the index, which ``propose`` extends lazily."""
