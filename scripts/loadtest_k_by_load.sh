@@ -6,7 +6,7 @@
 # levels send the same prompts). Keep the machine quiet while it runs (about 5 minutes a server on 2 cores).
 #
 #   scripts/loadtest_k_by_load.sh [SERVER ...]   # none, default, draft_model, table, auto (default: all, in that order)
-#   PORT=8011 (default) picks the port.
+#   PORT=8011 (default) picks the port; LEVELS="1 2" (default "1 2 4 8") the client counts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8011}
@@ -14,7 +14,7 @@ BIN=.venv/bin
 OUT=bench-results/loadtest
 mkdir -p "$OUT"
 
-LEVELS=(1 2 4 8)
+read -ra LEVELS <<< "${LEVELS:-1 2 4 8}"
 
 level() {  # name, clients, then the serve flags: one level on a fresh server, whose history of
     local name=$1 clients=$2  # answers holds none of the prompts (see specdecode/server/loadtest.py)
