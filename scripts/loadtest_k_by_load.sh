@@ -6,7 +6,8 @@
 # levels send the same prompts). Keep the machine quiet while it runs (about 5 minutes a server on 2 cores).
 #
 #   scripts/loadtest_k_by_load.sh [SERVER ...]   # none, default, draft_model, table, auto (default: all, in that order)
-#   PORT=8011 (default) picks the port; LEVELS="1 2" (default "1 2 4 8") the client counts.
+#   PORT=8011 (default) picks the port; LEVELS="1 2" (default "1 2 4 8") the client counts;
+#   WORKLOAD=code (default code,chat) the prompts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT=${PORT:-8011}
@@ -28,7 +29,7 @@ level() {  # name, clients, then the serve flags: one level on a fresh server, w
         sleep 1
     done
     "$BIN/python" -m specdecode.server.loadtest --url "http://127.0.0.1:$PORT" --concurrency "$clients" \
-        --requests 16 --max-tokens 64 --ignore-eos --workload code,chat --json > "$OUT/$name.$clients.json"
+        --requests 16 --max-tokens 64 --ignore-eos --workload "${WORKLOAD:-code,chat}" --json > "$OUT/$name.$clients.json"
     kill $pid
     wait $pid 2>/dev/null || true
     trap - EXIT
