@@ -1,7 +1,7 @@
 """The native whole forward of a GGUF target (``GGUFForward``) gives every row the bits its Python
-layers give it, in every kernel build and with any number of threads: so plain decoding, a verify
-step, a server batch and a token tree, which take one path or the other by their row counts,
-stay token-identical."""
+layers give it, alone or in a batch of sequences, in every kernel build and with any number of
+threads: so plain decoding, a verify step, a server batch and a token tree, which take one path or
+the other by their shapes, stay token-identical."""
 
 from __future__ import annotations
 
@@ -61,6 +61,25 @@ def test_native_forward_matches_the_layers_bitwise(target: Decoder, rows: int) -
     assert torch.equal(last, want[0][-1:])
 
 
+@pytest.mark.parametrize("last_only", [False, True])
+def test_native_batch_matches_the_layers_bitwise(target: Decoder, last_only: bool) -> None:
+    """A server's batch: sequences of different lengths and row counts, each in its own cache."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 200, (n,), generator=g) for n in (3, 12, 7)]
+    rows = [torch.randint(0, 200, (n,), generator=g) for n in (1, 5, 2)]
+    results = []
+    for model in (target, target.with_backend(target.backend.layered())):
+        caches = [model.new_cache(64) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model.forward_batch([(p, c)])
+        logits = model.forward_batch(list(zip(rows, caches)), last_only=last_only)
+        results.append((logits, [c.k[:, :, : c.length].clone() for c in caches], [c.v[:, :, : c.length].clone() for c in caches]))
+    (got, got_k, got_v), (want, want_k, want_v) = results
+    assert [x.shape[0] for x in got] == ([1, 1, 1] if last_only else [1, 5, 2])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_k + got_v, want_k + want_v))
+
+
 def test_every_build_gives_the_same_bits(target: Decoder) -> None:
     prompt, new = torch.arange(3, 10), torch.tensor([7, 1, 4, 4])
     weights = DecoderWeights(target.dtype, target.embed, target.lm_head, target.norm, target.layers, target.cos, target.sin)
@@ -84,11 +103,19 @@ def test_longer_calls_take_the_layers(target: Decoder, monkeypatch: pytest.Monke
             calls.append(args[0].shape[0])
             return fused.forward(*args, **kwargs)
 
+        def forward_batch(self, *args, **kwargs):
+            calls.append(("batch", args[0].shape[0]))
+            return fused.forward_batch(*args, **kwargs)
+
     monkeypatch.setattr(target.backend, "fused", Counting())
     cache = target.new_cache(64)
     target.forward(torch.arange(20), cache)  # a prompt: the layers' wide tiles
     target.forward(torch.arange(3), cache, invariant=True)  # the native forward is invariant itself
-    assert calls == [3]
+    other = target.new_cache(64)
+    target.forward_batch([(torch.arange(2), cache), (torch.arange(20), other)])  # a prompt in the batch: the layers
+    target.forward_batch([(torch.arange(2), cache), (torch.arange(4), other)])  # decode rows: native
+    target.forward_batch([(torch.arange(2), cache), (torch.arange(3), other)], trees=[None, [-1, 0, 0]])  # a tree: layers
+    assert calls == [3, ("batch", 6)]
 
 
 def test_bad_calls_are_refused(target: Decoder) -> None:

@@ -206,10 +206,22 @@ class Decoder:
         ``invariant``: a lone long segment (a prompt) stays on the invariant kernels too, so its
         rows get the bits they would get in any other call: what lets a prefill resume after a
         prefix an earlier request computed (``models/prefix_cache.py``).
+
+        A GGUF target runs a batch of chains of up to ``fused_rows`` rows each through its native
+        forward (``gguf_forward.py``), which gives every row the layers' bits.
         """
+        trees = trees or [None] * len(segments)
+        captures = list(captures or ())
+        batched = getattr(self.backend.fused, "forward_batch", None)  # a GGUF target's native forward
+        if batched is not None and len(segments) > 1 and not any(trees) and not any(c is not None for c in captures) \
+                and all(t.shape[0] <= self.backend.fused_rows for t, _ in segments):
+            counts = [t.shape[0] for t, _ in segments]
+            starts = [cache.reserve(n) for n, (_, cache) in zip(counts, segments)]
+            rows = self.embed_tokens(torch.cat([t for t, _ in segments]))
+            logits = batched(rows, [c.k for _, c in segments], [c.v for _, c in segments], starts, counts, last_only)
+            return list(logits.split(1 if last_only else counts))
         cfg = self.config
         group = cfg.num_heads // cfg.num_kv_heads
-        trees = trees or [None] * len(segments)
         views = [self._view(tokens.shape[0], cache, tree, group) for (tokens, cache), tree in zip(segments, trees)]
         tokens = torch.cat([t for t, _ in segments]) if len(segments) > 1 else segments[0][0]
         if len(views) == 1 and views[0].branches is None:  # rows are consecutive positions: a view
@@ -223,7 +235,6 @@ class Decoder:
         # The decode rows of many sequences stay on the invariant kernel however many they are.
         linear = self.backend.linear if len(segments) == 1 and not invariant else self.backend.linear.rows
         x = self.embed_tokens(tokens)  # [N, D]
-        captures = list(captures or ())
         wanted = {i for c in captures if c is not None for i in c.layers}
         states: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):

@@ -1114,32 +1114,27 @@ class GGUFForward {
     // ``last_only``; ``head`` false: none (an empty [0, V]).
     torch::Tensor forward(const torch::Tensor& x, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, bool last_only,
                           bool head) {
-        const int64_t n = x.size(0), D = hidden_;
-        TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.scalar_type() == torch::kFloat32 && n > 0, "x must be [n > 0, hidden] float32");
-        TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                        k_cache.size(0) == static_cast<int64_t>(layers_.size()) && k_cache.size(1) == kv_heads_ &&
-                        k_cache.size(3) == head_dim_ && v_cache.sizes() == k_cache.sizes() &&
-                        k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
-                    "bad kv cache");
-        State s;
-        s.n = n, s.start = start, s.capacity = k_cache.size(2);
-        TORCH_CHECK(start >= 0 && start + n <= s.capacity && start + n <= cos_.size(0), "slots past the cache");
-        s.first = !head ? n : last_only ? n - 1 : 0;
-        auto logits = torch::empty({n - s.first, lm_head_.total}, x.options());
-        s.logits = logits.data_ptr<float>();
-        s.k = k_cache.data_ptr<float>(), s.v = v_cache.data_ptr<float>();
-        const torch::Tensor xc = x.contiguous();
-        s.x.assign(xc.data_ptr<float>(), xc.data_ptr<float>() + n * D);
-        const int64_t inter = layers_.empty() ? 0 : layers_[0].down.in;
-        s.h.resize(n * D), s.y.resize(n * D), s.qkv.resize(n * (heads_ + 2 * kv_heads_) * head_dim_);
-        s.attn.resize(n * heads_ * head_dim_), s.gate_up.resize(n * 2 * inter), s.act.resize(n * inter);
-        if (!layers_.empty())
-            for (int i = 0; i < 4; ++i) s.acts[i].init(needs_[i], n);
-        s.a_head.init(Needs(lm_head_), n - s.first);
-        const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-#pragma omp parallel num_threads(threads)
-        run(s, omp_get_thread_num(), omp_get_num_threads());
-        return logits;
+        const int64_t n = x.dim() == 2 ? x.size(0) : 0;
+        std::vector<int64_t> heads;
+        if (head)
+            for (int64_t r = last_only ? n - 1 : 0; r < n; ++r) heads.push_back(r);
+        return run_segments(x, {k_cache}, {v_cache}, {start}, {n}, heads);
+    }
+
+    // Several sequences' rows in one forward (a server's batch): x [sum of counts, hidden], segment
+    // i's ``counts[i]`` rows at slots starts[i].. of its own cache k_caches[i] / v_caches[i]. Logits
+    // of every row, or with ``last_only`` of each segment's last, in order.
+    torch::Tensor forward_batch(const torch::Tensor& x, const std::vector<torch::Tensor>& k_caches,
+                                const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& starts,
+                                const std::vector<int64_t>& counts, bool last_only) {
+        std::vector<int64_t> heads;
+        int64_t row = 0;
+        for (int64_t c : counts) {
+            TORCH_CHECK(c > 0, "every segment needs rows");
+            for (int64_t r = last_only ? row + c - 1 : row; r < row + c; ++r) heads.push_back(r);
+            row += c;
+        }
+        return run_segments(x, k_caches, v_caches, starts, counts, heads);
     }
 
   private:
@@ -1148,20 +1143,70 @@ class GGUFForward {
         Matrix qkv, o, gate_up, down;
     };
 
+    struct Segment {  // one sequence's rows row0 .. row0 + n - 1, at its cache's slots start ..
+        float *k = nullptr, *v = nullptr;
+        int64_t capacity = 0, start = 0, row0 = 0, n = 0;
+    };
+
     struct State {  // one forward's buffers, shared by its threads
-        int64_t n = 0, start = 0, capacity = 0, first = 0;
-        float *k = nullptr, *v = nullptr, *logits = nullptr;
+        int64_t n = 0;
+        std::vector<Segment> segments;
+        std::vector<int64_t> heads;  // the rows whose logits are asked for
+        float* logits = nullptr;
         std::vector<float> x, h, y, qkv, attn, gate_up, act;
         MatrixActs acts[4], a_head;  // acts: of qkv, o, gate_up and down (``needs_``)
     };
 
+    torch::Tensor run_segments(const torch::Tensor& x, const std::vector<torch::Tensor>& k_caches,
+                               const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& starts,
+                               const std::vector<int64_t>& counts, const std::vector<int64_t>& heads) {
+        const int64_t D = hidden_;
+        TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.scalar_type() == torch::kFloat32 && x.size(0) > 0,
+                    "x must be [n > 0, hidden] float32");
+        TORCH_CHECK(k_caches.size() == counts.size() && v_caches.size() == counts.size() && starts.size() == counts.size(),
+                    "one cache, start and count per segment");
+        State s;
+        s.n = x.size(0), s.heads = heads;
+        int64_t row = 0;
+        for (size_t i = 0; i < counts.size(); ++i) {
+            const torch::Tensor &k = k_caches[i], &v = v_caches[i];
+            TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 4 && k.size(0) == static_cast<int64_t>(layers_.size()) &&
+                            k.size(1) == kv_heads_ && k.size(3) == head_dim_ && v.sizes() == k.sizes() &&
+                            k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+                        "bad kv cache");
+            Segment seg{k.data_ptr<float>(), v.data_ptr<float>(), k.size(2), starts[i], row, counts[i]};
+            TORCH_CHECK(seg.start >= 0 && seg.start + seg.n <= seg.capacity && seg.start + seg.n <= cos_.size(0),
+                        "slots past the cache");
+            s.segments.push_back(seg);
+            row += seg.n;
+        }
+        TORCH_CHECK(row == s.n, "the segments' rows must add up to x's");
+        const int64_t n = s.n;
+        auto logits = torch::empty({static_cast<int64_t>(heads.size()), lm_head_.total}, x.options());
+        s.logits = logits.data_ptr<float>();
+        const torch::Tensor xc = x.contiguous();
+        s.x.assign(xc.data_ptr<float>(), xc.data_ptr<float>() + n * D);
+        const int64_t inter = layers_.empty() ? 0 : layers_[0].down.in;
+        s.h.resize(n * D), s.y.resize(n * D), s.qkv.resize(n * (heads_ + 2 * kv_heads_) * head_dim_);
+        s.attn.resize(n * heads_ * head_dim_), s.gate_up.resize(n * 2 * inter), s.act.resize(n * inter);
+        if (!layers_.empty())
+            for (int i = 0; i < 4; ++i) s.acts[i].init(needs_[i], n);
+        s.a_head.init(Needs(lm_head_), static_cast<int64_t>(heads.size()));
+        const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+        run(s, omp_get_thread_num(), omp_get_num_threads());
+        return logits;
+    }
+
     static int64_t share(int64_t total, int t, int T) { return total * t / T; }
 
-    // RMS norm of rows r0 .. r0 + m - 1 of s.x into s.h (from row 0), quantized into a: this thread's rows.
-    void norm_rows(State& s, const float* weight, int64_t r0, int64_t m, MatrixActs& a, int t, int T) const {
+    // RMS norm of m rows of s.x (rows[r], or r without ``rows``) into s.h rows 0 .. m - 1, quantized
+    // into a: this thread's rows.
+    void norm_rows(State& s, const float* weight, const int64_t* rows, int64_t m, MatrixActs& a, int t, int T) const {
         const int64_t D = hidden_;
         const int64_t lo = share(m, t, T), hi = share(m, t + 1, T);
-        for (int64_t r = lo; r < hi; ++r) rms_row(s.x.data() + (r0 + r) * D, weight, D, static_cast<float>(eps_), s.h.data() + r * D);
+        for (int64_t r = lo; r < hi; ++r)
+            rms_row(s.x.data() + (rows ? rows[r] : r) * D, weight, D, static_cast<float>(eps_), s.h.data() + r * D);
         if (hi > lo) a.quantize_rows(s.h.data() + lo * D, lo, hi);
     }
 
@@ -1180,20 +1225,22 @@ class GGUFForward {
         for (size_t li = 0; li < layers_.size(); ++li) {
             const Layer& L = layers_[li];
             const int64_t width = L.qkv.total, inter = L.down.in;
-            norm_rows(s, L.in_norm.data_ptr<float>(), 0, n, s.acts[0], t, T);
+            norm_rows(s, L.in_norm.data_ptr<float>(), nullptr, n, s.acts[0], t, T);
 #pragma omp barrier
             outputs(L.qkv, s.acts[0], share(width, t, T), share(width, t + 1, T), s.qkv.data());
 #pragma omp barrier
-            for (int64_t g = share(hkv, t, T); g < share(hkv, t + 1, T); ++g) {
-                const int64_t slot0 = (li * hkv + g) * s.capacity;
-                rope_attend(s, L, g, group, width, s.k + slot0 * d, s.v + slot0 * d, scale, scores);
+            const int64_t tasks = static_cast<int64_t>(s.segments.size()) * hkv;  // (segment, kv head)
+            for (int64_t task = share(tasks, t, T); task < share(tasks, t + 1, T); ++task) {
+                const Segment& seg = s.segments[task / hkv];
+                const int64_t g = task % hkv, slot0 = (li * hkv + g) * seg.capacity;
+                rope_attend(s, L, seg, g, group, width, seg.k + slot0 * d, seg.v + slot0 * d, scale, scores);
             }
 #pragma omp barrier
             s.acts[1].quantize(s.attn.data(), t, T);
 #pragma omp barrier
             add_outputs(s, L.o, s.acts[1], t, T);
 #pragma omp barrier
-            norm_rows(s, L.post_norm.data_ptr<float>(), 0, n, s.acts[2], t, T);
+            norm_rows(s, L.post_norm.data_ptr<float>(), nullptr, n, s.acts[2], t, T);
 #pragma omp barrier
             outputs(L.gate_up, s.acts[2], share(2 * inter, t, T), share(2 * inter, t + 1, T), s.gate_up.data());
 #pragma omp barrier
@@ -1208,23 +1255,24 @@ class GGUFForward {
             add_outputs(s, L.down, s.acts[3], t, T);
 #pragma omp barrier
         }
-        const int64_t m = n - s.first, V = lm_head_.total;
+        const int64_t m = static_cast<int64_t>(s.heads.size()), V = lm_head_.total;
         if (m == 0) return;
-        norm_rows(s, norm_.data_ptr<float>(), s.first, m, s.a_head, t, T);
+        norm_rows(s, norm_.data_ptr<float>(), s.heads.data(), m, s.a_head, t, T);
 #pragma omp barrier
         outputs(lm_head_, s.a_head, share(V, t, T), share(V, t + 1, T), s.logits);
     }
 
-    // Kv head g of every row: bias and RoPE on its query heads and key, its key and value into the
-    // cache (kc, vc: head g's slots), then those queries' attention; row r sees slots 0 .. start + r.
-    void rope_attend(State& s, const Layer& L, int64_t g, int64_t group, int64_t width, float* kc, float* vc, float scale,
-                     std::vector<float>& scores) const {
+    // Kv head g of a segment's rows: bias and RoPE on its query heads and key, its key and value
+    // into the cache (kc, vc: head g's slots), then those queries' attention; the segment's row i
+    // sees slots 0 .. start + i.
+    void rope_attend(State& s, const Layer& L, const Segment& seg, int64_t g, int64_t group, int64_t width, float* kc,
+                     float* vc, float scale, std::vector<float>& scores) const {
         const int64_t d = head_dim_, hq = heads_, hkv = kv_heads_;
         const float* bias = L.bias.numel() ? L.bias.data_ptr<float>() : nullptr;
-        for (int64_t r = 0; r < s.n; ++r) {
-            float* row = s.qkv.data() + r * width;
-            const float* c = cos_.data_ptr<float>() + (s.start + r) * d;
-            const float* sn = sin_.data_ptr<float>() + (s.start + r) * d;
+        for (int64_t i = 0; i < seg.n; ++i) {
+            float* row = s.qkv.data() + (seg.row0 + i) * width;
+            const float* c = cos_.data_ptr<float>() + (seg.start + i) * d;
+            const float* sn = sin_.data_ptr<float>() + (seg.start + i) * d;
             for (int64_t j = 0; j < group + 2; ++j) {
                 const int64_t head = j < group ? g * group + j : j == group ? hq + g : hq + hkv + g;
                 float* v = row + head * d;
@@ -1232,12 +1280,14 @@ class GGUFForward {
                     for (int64_t e = 0; e < d; ++e) v[e] = v[e] + bias[head * d + e];
                 if (head < hq + hkv) attention::rope_half(v, c, sn, d);
             }
-            std::copy_n(row + (hq + g) * d, d, kc + (s.start + r) * d);
-            std::copy_n(row + (hq + hkv + g) * d, d, vc + (s.start + r) * d);
+            std::copy_n(row + (hq + g) * d, d, kc + (seg.start + i) * d);
+            std::copy_n(row + (hq + hkv + g) * d, d, vc + (seg.start + i) * d);
         }
-        for (int64_t r = 0; r < s.n; ++r)  // the group's query heads share each key and value load
-            attention::row_group(s.qkv.data() + r * width + g * group * d, kc, vc, group, d, s.start + r + 1, scale,
+        for (int64_t i = 0; i < seg.n; ++i) {  // the group's query heads share each key and value load
+            const int64_t r = seg.row0 + i;
+            attention::row_group(s.qkv.data() + r * width + g * group * d, kc, vc, group, d, seg.start + i + 1, scale,
                                  s.attn.data() + r * hq * d + g * group * d, scores);
+        }
     }
 
     void keep(const Parts& parts) {  // the planes the parts point into
@@ -1333,7 +1383,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                       const std::vector<GGUFForward::LayerArgs>&>())
         .def("forward", &GGUFForward::forward, "logits of rows through every layer, writing their keys and values",
              py::arg("x"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("last_only"),
-             py::arg("head") = true);
+             py::arg("head") = true)
+        .def("forward_batch", &GGUFForward::forward_batch, "logits of several sequences' rows in one forward",
+             py::arg("x"), py::arg("k_caches"), py::arg("v_caches"), py::arg("starts"), py::arg("counts"),
+             py::arg("last_only"));
     m.def("avx2", &lanes::avx2, "whether this build uses AVX2 (else the portable C++ build)");
     m.def("isa", [] {
 #if defined(GGUF_VNNI)
