@@ -8,6 +8,7 @@
 // keys it sees and their number, in a fixed order.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -137,6 +138,33 @@ inline void row_group(const float* q, const float* k, const float* v, int64_t gr
             default: head_block<8>(qh, k, v, d, len, scale, oh, s, ld); break;
         }
     }
+}
+
+// Kv head g of n consecutive rows of a fused q|k|v (qkv, row stride ``width``: the hq query heads,
+// then the hkv keys, then the hkv values) at cache slots start .. start + n - 1: bias (when given)
+// and RoPE on the group's query heads and the key, the key and value into the cache (kc, vc: head
+// g's slots), then each row's attention over slots 0 .. start + i into attn (row stride hq * d).
+// The int4 draft's forward and the GGUF target's share it.
+inline void rope_write_attend(float* qkv, int64_t width, int64_t n, int64_t start, int64_t g, int64_t hq, int64_t hkv,
+                              int64_t d, const float* bias, const float* cos, const float* sin, float* kc, float* vc,
+                              float scale, float* attn, std::vector<float>& scores) {
+    const int64_t group = hq / hkv;
+    for (int64_t i = 0; i < n; ++i) {
+        float* row = qkv + i * width;
+        const float *c = cos + (start + i) * d, *sn = sin + (start + i) * d;
+        for (int64_t j = 0; j < group + 2; ++j) {
+            const int64_t head = j < group ? g * group + j : j == group ? hq + g : hq + hkv + g;
+            float* v = row + head * d;
+            if (bias)
+                for (int64_t e = 0; e < d; ++e) v[e] = v[e] + bias[head * d + e];
+            if (head < hq + hkv) rope_half(v, c, sn, d);
+        }
+        std::copy_n(row + (hq + g) * d, d, kc + (start + i) * d);
+        std::copy_n(row + (hq + hkv + g) * d, d, vc + (start + i) * d);
+    }
+    for (int64_t i = 0; i < n; ++i)  // the group's query heads share each key and value load
+        row_group(qkv + i * width + g * group * d, kc, vc, group, d, start + i + 1, scale, attn + i * hq * d + g * group * d,
+                  scores);
 }
 
 }  // namespace attention

@@ -1219,7 +1219,7 @@ class GGUFForward {
     }
 
     void run(State& s, int t, int T) const {
-        const int64_t n = s.n, d = head_dim_, hq = heads_, hkv = kv_heads_, group = hq / hkv;
+        const int64_t n = s.n, d = head_dim_, hq = heads_, hkv = kv_heads_;
         const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
         std::vector<float> scores;  // attention's scratch
         for (size_t li = 0; li < layers_.size(); ++li) {
@@ -1233,7 +1233,10 @@ class GGUFForward {
             for (int64_t task = share(tasks, t, T); task < share(tasks, t + 1, T); ++task) {
                 const Segment& seg = s.segments[task / hkv];
                 const int64_t g = task % hkv, slot0 = (li * hkv + g) * seg.capacity;
-                rope_attend(s, L, seg, g, group, width, seg.k + slot0 * d, seg.v + slot0 * d, scale, scores);
+                attention::rope_write_attend(s.qkv.data() + seg.row0 * width, width, seg.n, seg.start, g, hq, hkv, d,
+                                             L.bias.numel() ? L.bias.data_ptr<float>() : nullptr, cos_.data_ptr<float>(),
+                                             sin_.data_ptr<float>(), seg.k + slot0 * d, seg.v + slot0 * d, scale,
+                                             s.attn.data() + seg.row0 * hq * d, scores);
             }
 #pragma omp barrier
             s.acts[1].quantize(s.attn.data(), t, T);
@@ -1260,34 +1263,6 @@ class GGUFForward {
         norm_rows(s, norm_.data_ptr<float>(), s.heads.data(), m, s.a_head, t, T);
 #pragma omp barrier
         outputs(lm_head_, s.a_head, share(V, t, T), share(V, t + 1, T), s.logits);
-    }
-
-    // Kv head g of a segment's rows: bias and RoPE on its query heads and key, its key and value
-    // into the cache (kc, vc: head g's slots), then those queries' attention; the segment's row i
-    // sees slots 0 .. start + i.
-    void rope_attend(State& s, const Layer& L, const Segment& seg, int64_t g, int64_t group, int64_t width, float* kc,
-                     float* vc, float scale, std::vector<float>& scores) const {
-        const int64_t d = head_dim_, hq = heads_, hkv = kv_heads_;
-        const float* bias = L.bias.numel() ? L.bias.data_ptr<float>() : nullptr;
-        for (int64_t i = 0; i < seg.n; ++i) {
-            float* row = s.qkv.data() + (seg.row0 + i) * width;
-            const float* c = cos_.data_ptr<float>() + (seg.start + i) * d;
-            const float* sn = sin_.data_ptr<float>() + (seg.start + i) * d;
-            for (int64_t j = 0; j < group + 2; ++j) {
-                const int64_t head = j < group ? g * group + j : j == group ? hq + g : hq + hkv + g;
-                float* v = row + head * d;
-                if (bias)
-                    for (int64_t e = 0; e < d; ++e) v[e] = v[e] + bias[head * d + e];
-                if (head < hq + hkv) attention::rope_half(v, c, sn, d);
-            }
-            std::copy_n(row + (hq + g) * d, d, kc + (seg.start + i) * d);
-            std::copy_n(row + (hq + hkv + g) * d, d, vc + (seg.start + i) * d);
-        }
-        for (int64_t i = 0; i < seg.n; ++i) {  // the group's query heads share each key and value load
-            const int64_t r = seg.row0 + i;
-            attention::row_group(s.qkv.data() + r * width + g * group * d, kc, vc, group, d, seg.start + i + 1, scale,
-                                 s.attn.data() + r * hq * d + g * group * d, scores);
-        }
     }
 
     void keep(const Parts& parts) {  // the planes the parts point into

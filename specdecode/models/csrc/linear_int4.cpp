@@ -433,16 +433,6 @@ inline lanes::V8 glu8(lanes::V8 g, lanes::V8 u) {
     return mul(mul(g, select_nonneg(g, div(one, add(one, e)), div(e, add(one, e)))), u);
 }
 
-// Rotate-half RoPE of one head vector in place (HF layout).
-void rope(float* v, const float* cos, const float* sin, int64_t d) {
-    const int64_t half = d / 2;
-    for (int64_t k = 0; k < half; ++k) {
-        const float a = v[k], b = v[k + half];
-        v[k] = a * cos[k] - b * sin[k];
-        v[k + half] = b * cos[k + half] + a * sin[k + half];
-    }
-}
-
 struct Layer {
     const float* in_norm;
     const float* post_norm;
@@ -585,7 +575,7 @@ class Int4Draft {
 
     // One thread's part of the forward; every thread of the team runs it.
     void run(State& s, int t, int T, int64_t first, float* logits) const {
-        const int64_t n = s.n, D = hidden_, d = head_dim_, hq = heads_, hkv = kv_heads_, group = hq / hkv;
+        const int64_t n = s.n, D = hidden_, d = head_dim_, hq = heads_, hkv = kv_heads_;
         const int64_t width = (hq + 2 * hkv) * d, inter = layers_.empty() ? 0 : layers_[0].down.in;
         const float scale = 1.f / std::sqrt(static_cast<float>(d));
         Acts a;
@@ -606,7 +596,9 @@ class Int4Draft {
             });
 #pragma omp barrier
             for (int64_t g = hkv * t / T; g < hkv * (t + 1) / T; ++g)  // this thread's kv heads
-                rope_attend(s, L, g, group, width, kc + g * s.capacity * d, vc + g * s.capacity * d, scale, scores);
+                attention::rope_write_attend(s.qkv.data(), width, n, s.start, g, hq, hkv, d, L.qkv_bias, cos_.data_ptr<float>(),
+                                             sin_.data_ptr<float>(), kc + g * s.capacity * d, vc + g * s.capacity * d, scale,
+                                             s.attn.data(), scores);
 #pragma omp barrier
             a.set(s.attn.data(), n, hq * d);
             run_share(L.o, a, t, T, add_to_x);
@@ -630,32 +622,6 @@ class Int4Draft {
             for (int64_t r = 0; r < m; ++r)
                 for (int64_t o = 0; o < TILE && i * TILE + o < V; ++o) logits[r * V + i * TILE + o] = y[r][o];
         });
-    }
-
-    // Bias and RoPE of kv head g's keys, values and queries in every row, the keys and values into
-    // the cache (kc, vc: head g's slots), then those queries' attention: row r sees slots
-    // 0..start+r.
-    void rope_attend(State& s, const Layer& L, int64_t g, int64_t group, int64_t width, float* kc, float* vc,
-                     float scale, std::vector<float>& scores) const {
-        const int64_t d = head_dim_, hq = heads_, hkv = kv_heads_;
-        for (int64_t r = 0; r < s.n; ++r) {
-            float* row = s.qkv.data() + r * width;
-            const float* c = cos_.data_ptr<float>() + (s.start + r) * d;
-            const float* sn = sin_.data_ptr<float>() + (s.start + r) * d;
-            const int64_t heads[] = {hq + g, hq + hkv + g};  // this kv head's key and value
-            for (int64_t j = 0; j < group + 2; ++j) {
-                const int64_t head = j < group ? g * group + j : heads[j - group];
-                float* v = row + head * d;
-                if (L.qkv_bias)
-                    for (int64_t e = 0; e < d; ++e) v[e] += L.qkv_bias[head * d + e];
-                if (head < hq + hkv) rope(v, c, sn, d);
-            }
-            std::copy_n(row + (hq + g) * d, d, kc + (s.start + r) * d);
-            std::copy_n(row + (hq + hkv + g) * d, d, vc + (s.start + r) * d);
-        }
-        for (int64_t r = 0; r < s.n; ++r)  // the group's query heads share each key and value load
-            attention::row_group(s.qkv.data() + r * width + g * group * d, kc, vc, group, d, s.start + r + 1, scale,
-                                 s.attn.data() + r * hq * d + g * group * d, scores);
     }
 
     int64_t heads_, kv_heads_, head_dim_, hidden_;
