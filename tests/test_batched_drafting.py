@@ -4,6 +4,7 @@ wraps it, and keep their outputs."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from specdecode.params import SamplingParams
 from specdecode.sequence import SequenceState
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine.batch import Batch
+from specdecode.engine import trace
 from specdecode.engine.drafting import DraftWork, draft_all
 from specdecode.engine.policy import FixedK
 from specdecode.models.decoder import Decoder
@@ -278,3 +280,28 @@ def test_a_cancelled_request_leaves_before_drafting(llm):
     assert outcome.left == [members[1]] and not outcome.failed and not outcome.events[0][0] is members[1]
     assert members[1].gen.drafter.cache.length == before
     assert [m.gen.proposal.k for m in (members[0], members[2])] == [K, K]
+
+
+def test_the_step_trace_records_each_steps_times_and_drafts(llm, tmp_path, monkeypatch):
+    """SPECDECODE_STEP_TRACE: a line a step, whose parts fit in its wall time and whose requests'
+    planned, drafted and kept drafts add up to the tokens the requests got."""
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(trace.ENV, str(path))
+    monkeypatch.setattr(trace, "_TRACE", None)
+    prompts = _prompts(llm)[:2]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 7)]
+    batch = Batch(llm.target, FixedK())
+    for p, q in zip(prompts, params):
+        batch.add(llm.engine.begin(p, q, llm.new_drafter("draft_model"), spec_k(K, adaptive=False)))
+    while len(batch):
+        batch.step()
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(steps) >= 2
+    for s in steps:
+        assert s["step_s"] >= s["prefill_s"] + s["draft_s"] + s["verify_s"] - 1e-6 > 0
+        assert s["rows"] == sum(r["drafted"] + 1 for r in s["requests"])
+        assert all(r["planned"] == K or r["drafted"] < K for r in s["requests"] if r["source"])
+    decoded = [s for s in steps if s["requests"]]
+    assert any(s["catch_ups"] for s in decoded)  # the draft model's prefill of each prompt
+    # every token after the first (picked from the prompt's logits) came from a traced step
+    assert sum(r["accepted"] + 1 for s in decoded for r in s["requests"]) == sum(q.max_tokens for q in params) - 2

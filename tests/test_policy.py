@@ -57,12 +57,21 @@ def test_free_drafts_pay_at_lower_acceptance_than_model_drafts():
 
 
 def test_a_solo_and_a_batched_request_get_the_same_k_at_equal_costs():
-    """Where the step's cost does not grow with its rows (a bandwidth-bound forward), a request
-    faces the same costs alone or beside three others, and gets the same K."""
-    policy = CostModel(_costs(row_s=0.0, draft_s=0.001, method="ngram"))
-    solo = policy.draft_lengths([_request(0.7, method="ngram")])
-    batched = policy.draft_lengths([_request(0.7, method="ngram") for _ in range(4)])
-    assert batched == solo * 4
+    """Where neither the verify forward nor the draft forward grows with its rows (both
+    bandwidth-bound), four requests share each forward: each is measured a quarter of a drafted
+    token's cost (``drafting.py`` charges an even share) and gets the K it gets alone."""
+    solo = CostModel(_costs(row_s=0.0, draft_s=0.004)).draft_lengths([_request(0.7)])
+    batched = CostModel(_costs(row_s=0.0, draft_s=0.001)).draft_lengths([_request(0.7) for _ in range(4)])
+    assert solo[0] > 0 and batched == solo * 4
+
+
+def test_a_shared_draft_forward_is_counted_once():
+    """Eight requests whose measured share of the draft model's forwards (8 ms each, a 64 ms
+    forward over 8 rows) and a quarter-step verify row outweigh what a 0.9 draft adds to an
+    8-row step: none drafts, though the same costs pay for a request alone."""
+    costs = _costs(row_s=0.010, draft_s=0.008)
+    assert CostModel(costs).draft_lengths([_request(0.9) for _ in range(8)]) == [0] * 8
+    assert CostModel(costs).draft_lengths([_request(0.9)])[0] > 0
 
 
 def test_a_busier_step_drafts_less_per_request_when_rows_cost_compute():
@@ -97,7 +106,9 @@ def test_a_catch_up_is_weighed_against_the_tokens_left():
 
 
 def test_a_request_off_drafting_probes_ever_more_rarely():
-    policy = CostModel(_costs(row_s=STEP, draft_s=STEP))
+    """At 0.5 acceptance its drafts do not pay, at its method's prior (0.8) they would: it
+    re-measures now and then, ever more rarely while drafting stays off."""
+    policy = CostModel(_costs(row_s=0.010, draft_s=0.012))
     request = _request(0.5)
     picks = [policy.draft_lengths([request])[0] for _ in range(16 + 32 + 64)]
     probes = [i for i, k in enumerate(picks) if k]
@@ -110,6 +121,24 @@ def test_a_request_off_drafting_probes_ever_more_rarely():
     assert {policy.draft_lengths([dear])[0] for _ in range(200)} == {0}
     request.state.probe_after = PROBE_AFTER_MAX
     assert set(policy.draft_lengths([request])[0] for _ in range(PROBE_AFTER_MAX - 1)) == {0}
+
+
+def test_no_probe_where_no_acceptance_would_make_drafts_pay():
+    """Rows as dear as a step: a probe could only confirm that drafting does not pay."""
+    policy = CostModel(_costs(row_s=STEP, draft_s=STEP))
+    request = _request(0.5)
+    assert {policy.draft_lengths([request])[0] for _ in range(200)} == {0}
+
+
+def test_a_probe_that_pays_alone_waits_in_a_busy_step():
+    """The same request probes alone but not beside seven plain requests whose rows (a quarter
+    step each) make its step's rate more than a draft at its prior acceptance adds."""
+    costs = _costs(row_s=0.010, draft_s=0.012)
+    alone, busy = CostModel(costs), CostModel(costs)
+    request, crowded = _request(0.5), _request(0.5)
+    others = [_request(0.0) for _ in range(7)]
+    assert any(alone.draft_lengths([request])[0] for _ in range(40))
+    assert not any(busy.draft_lengths([crowded, *others])[0] for _ in range(200))
 
 
 def test_before_any_measurement_it_drafts_a_little_to_measure():
@@ -292,3 +321,12 @@ def test_a_catch_up_measured_under_load_never_shuts_its_draft_model_out():
     costs.catch_up_by_size[8] = (200, 200.0)  # 200 tokens in 200 one-row steps: 8 s, a spell of load
     request = _request(0.85, catch_up=200, remaining=512)
     assert CostModel(costs).draft_lengths([request])[0] > 0
+
+
+def test_a_confident_requests_reach_is_priced_in_its_step():
+    """Beside seven plain requests whose rows make its step dearer, a confident request reaches
+    less far than alone (the reach is its K at a sure acceptance in the step as planned)."""
+    policy = CostModel(_costs(row_s=0.004, draft_s=0.002))
+    [(alone, _)] = policy.plan([_request(0.9, confident=True)])
+    [(busy, _), *rest] = policy.plan([_request(0.9, confident=True), *[_request(0.0) for _ in range(7)]])
+    assert 0 < busy < alone and all(k == 0 for k, _ in rest)

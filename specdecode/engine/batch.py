@@ -35,6 +35,7 @@ from specdecode.engine.costs import RequestOutcome, StepTimes
 from specdecode.engine.drafting import DraftWork, draft_all
 from specdecode.engine.generation import Generation, StreamEvent
 from specdecode.engine.policy import DraftRequest, SpeculationPolicy
+from specdecode.engine.trace import RequestRecord, StepRecord, step_trace
 from specdecode.models.prefix_cache import PrefixCache
 from specdecode.drafters.base import DraftSource
 from specdecode.errors import DamagedCacheError
@@ -91,6 +92,7 @@ class Batch:
         self.target, self.policy, self.cap, self.caches = target, policy, cap, caches
         self.members: list[Member] = []
         self.last_k = 0  # the most drafts any request was allowed in the last step (a server gauge)
+        self.trace = step_trace()  # SPECDECODE_STEP_TRACE: a line of times per step (engine/trace.py)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -112,6 +114,8 @@ class Batch:
 
     def step(self) -> StepOutcome:
         out = StepOutcome()
+        record = StepRecord(running=len(self.members)) if self.trace is not None else None
+        t0 = time.perf_counter()
         for m in [m for m in self.members if m.cancelled()]:
             self._leave(m, out)
         try:
@@ -122,10 +126,17 @@ class Batch:
             return out
         prefilling = [m for m in self.members if m.prefilling]
         if prefilling:
+            if record is not None:
+                record.prefill_tokens = int(prefilling[0].chunks[0].numel())
             self._prefill_chunk(prefilling[0], out)
+            if record is not None:
+                record.prefill_s = time.perf_counter() - t0
         decoding = [m for m in self.members if m.ready]
         if decoding:
-            self._decode(decoding, len(self.members), out)
+            self._decode(decoding, len(self.members), out, record)
+        if record is not None and (prefilling or decoding):
+            record.step_s = time.perf_counter() - t0
+            self.trace.write(record)
         return out
 
     def _leave(self, m: Member, out: StepOutcome, error: BaseException | None = None) -> None:
@@ -187,9 +198,13 @@ class Batch:
         except Exception as exc:  # noqa: BLE001 - fails this request only
             self._leave(m, out, exc)
 
-    def _decode(self, decoding: list[Member], running: int, out: StepOutcome) -> None:
-        proposals, works, sources = self._draft(decoding, running, out)
+    def _decode(self, decoding: list[Member], running: int, out: StepOutcome, record: StepRecord | None = None) -> None:
+        traced: dict[Member, RequestRecord] = {}
+        t_draft = time.perf_counter()
+        proposals, works, sources = self._draft(decoding, running, out, traced if record is not None else None)
         catch_ups = [c for work in works.values() for c in work.catch_ups]
+        if record is not None:
+            record.draft_s, record.catch_ups = time.perf_counter() - t_draft, catch_ups
         batch: list[tuple[Member, Tensor]] = []
         for m in decoding:
             if m.failed is not None:
@@ -216,6 +231,8 @@ class Batch:
             return
         forward_s = time.perf_counter() - t0
         step = StepTimes(sum(int(inputs.shape[0]) for _, inputs in batch), forward_s, catch_ups=catch_ups)
+        if record is not None:
+            record.rows, record.verify_s = step.rows, forward_s
         for (m, _), rows in zip(batch, logits):
             gen = m.gen
             try:
@@ -226,12 +243,17 @@ class Batch:
                                                         gen.proposal.depth, gen.accepted,
                                                         work.seconds - work.catch_up_s if work else 0.0))
                     gen.stats.free_drafts += bool(gen.proposal.k) and source.cost_prior == 0
+                if m in traced:
+                    traced[m].drafted, traced[m].accepted = gen.proposal.k, gen.accepted
                 if gen.finished:
                     out.events.append((m, gen.finish()))
                     self._leave(m, out)
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 self._leave(m, out, exc)
         self.policy.record(step)
+        if record is not None:
+            record.commit_s = time.perf_counter() - t0 - forward_s
+            record.requests = [traced.get(m, RequestRecord(None)) for m, _ in batch]
 
     def _verify(self, batch: list[tuple[Member, Tensor]]) -> list[Tensor]:
         """ONE target forward over every request's inputs (a lone request takes ``forward``)."""
@@ -242,11 +264,13 @@ class Batch:
                                          trees=[m.gen.tree for m, _ in batch],
                                          captures=[m.gen.capture for m, _ in batch])
 
-    def _draft(self, decoding: list[Member], running: int, out: StepOutcome
+    def _draft(self, decoding: list[Member], running: int, out: StepOutcome,
+               traced: dict[Member, RequestRecord] | None = None,
                ) -> tuple[dict[Member, DraftProposal], dict[Member, DraftWork], dict[Member, DraftSource]]:
         """This step's drafts for ``decoding``, from the sources and at the lengths the policy
         chose: the proposals, each drafting request's work (its times and catch-ups) and the
-        source the policy picked for each request that had one."""
+        source the policy picked for each request that had one (and, into ``traced``, each one's
+        source and planned length for the step trace)."""
         drafting = [m for m in decoding if m.gen.drafts]
         options = [[(source, _draft_request(m.gen, source)) for source in m.gen.sources()] for m in drafting]
         members = [m for m, opts in zip(drafting, options) if opts]  # a drafter may have nothing to offer
@@ -259,6 +283,8 @@ class Batch:
         picked: dict[Member, DraftSource] = {}
         for m, (source, _), (k, stop) in zip(members, chosen, plans):
             picked[m] = source
+            if traced is not None:
+                traced[m] = RequestRecord(source.name, k)
             m.gen.draft_from(source)
             if source.stop is not None:  # this step's stop, or the drafter's own (a fixed K)
                 source.stop(stop)

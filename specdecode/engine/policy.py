@@ -169,10 +169,9 @@ class CostModel(SpeculationPolicy):
 
     def choose(self, requests: Sequence[DraftRequest]) -> list[int]:
         if not self.costs.verify_measured:  # nothing measured yet: draft a little and measure
-            ks = [r.limit if not r.adaptive else min(r.limit, PROBE_K) for r in requests]
-        else:
-            ks = _allocate(requests, self.costs, self.acceptance)
-        return [self._probe(r, k) for r, k in zip(requests, ks)]
+            return [r.limit if not r.adaptive else min(r.limit, PROBE_K) for r in requests]
+        ks = _allocate(requests, self.costs, self.acceptance)
+        return [self._probe(requests, ks, i) for i in range(len(requests))]
 
     def pick_sources(self, options: Sequence[Sequence[DraftRequest]]) -> list[int]:
         """The source with the best expected tokens per second drafting alone at its best K
@@ -195,20 +194,32 @@ class CostModel(SpeculationPolicy):
         ``product < MARGIN * rate * cost / acceptance``. Others keep their K."""
         costs, acceptance = self._basis()
         rows = len(requests) + sum(ks)  # the step as planned: its rows, expected tokens and seconds
+        sure = {}  # a confident request's reach: its K were it as sure as CONFIDENT_ACCEPTANCE
+        for i, r in enumerate(requests):
+            if r.confident and r.adaptive and ks[i]:
+                sure[i] = self._k_among(requests, ks, i, max(acceptance(r), CONFIDENT_ACCEPTANCE))
         tokens = sum(_expected(acceptance(q), j) for q, j in zip(requests, ks))
         seconds = costs.verify(rows) + sum(costs.draft_token(q) * j for q, j in zip(requests, ks))
         row_cost = costs.verify(rows + 1) - costs.verify(rows)
         plans: list[tuple[int, float | None]] = []
-        for r, k in zip(requests, ks):
-            if not (r.confident and r.adaptive and k):
+        for i, (r, k) in enumerate(zip(requests, ks)):
+            if i not in sure:
                 plans.append((k, None))
                 continue
             cost = costs.draft_token(r) + row_cost
             threshold = MARGIN * tokens / seconds * cost / max(acceptance(r), 1e-3) if seconds > 0 else 0.0
-            confident = dataclasses.replace(r, state=RequestSpeculation(acceptance=max(acceptance(r), CONFIDENT_ACCEPTANCE)))
-            [reach] = _allocate([confident], costs, lambda q: q.state.acceptance)
-            plans.append((max(k, reach), min(threshold, 0.99)))
+            plans.append((max(k, sure[i]), min(threshold, 0.99)))
         return plans
+
+    def _k_among(self, requests: Sequence[DraftRequest], ks: Sequence[int], i: int, acceptance_i: float) -> int:
+        """Request ``i``'s draft length were its acceptance ``acceptance_i``, in this step as
+        planned: every other request's drafts fixed at ``ks``, their rows and tokens counted."""
+        costs, acceptance = self._basis()
+        fixed = [r if j == i else _with_limit(dataclasses.replace(r, adaptive=False), min(k, r.limit))
+                 for j, (r, k) in enumerate(zip(requests, ks))]
+        hopeful = dataclasses.replace(requests[i], state=RequestSpeculation(acceptance=acceptance_i))
+        fixed[i] = hopeful
+        return _allocate(fixed, costs, lambda q: _clamp(acceptance_i) if q is hopeful else acceptance(q))[i]
 
     def _basis(self) -> tuple[Costs, Callable[[DraftRequest], float]]:
         """The costs and acceptance requests are planned on: measured ones, or before anything
@@ -224,8 +235,13 @@ class CostModel(SpeculationPolicy):
             seconds += _catch_up(costs, r) / max(r.remaining / tokens, 1.0)
         return tokens / seconds if seconds > 0 else tokens
 
-    def _probe(self, r: DraftRequest, k: int) -> int:
-        """``k``, or ``PROBE_K`` for a request whose drafting has been off long enough to re-measure."""
+    def _probe(self, requests: Sequence[DraftRequest], ks: Sequence[int], i: int) -> int:
+        """Request ``i``'s ``ks[i]``, or ``PROBE_K`` when its drafting has been off long enough to
+        re-measure and a measurement could change the choice: at its method's prior acceptance
+        it would draft in this step as planned. In a step whose other rows already make a draft
+        dearer than any acceptance repays (many requests on a compute-bound target), a probe
+        would pay its drafts, rows and catch-up for nothing, so none is run until one could."""
+        r, k = requests[i], ks[i]
         state = r.state
         if not r.adaptive or r.limit == 0:
             return k
@@ -233,7 +249,8 @@ class CostModel(SpeculationPolicy):
             state.idle, state.probe_after = 0, PROBE_AFTER
             return k
         state.idle += 1
-        if state.idle < state.probe_after or not self._probe_affordable(r):
+        if (state.idle < state.probe_after or not self._probe_affordable(r)
+                or not self._k_among(requests, ks, i, max(self._prior(r.method), self.acceptance(r)))):
             return 0
         state.idle, state.probe_after = 0, min(2 * state.probe_after, PROBE_AFTER_MAX)
         return min(PROBE_K, r.limit)
@@ -264,19 +281,21 @@ class CostModel(SpeculationPolicy):
 
 def _allocate(requests: Sequence[DraftRequest], costs: Costs, acceptance: Callable[[DraftRequest], float]) -> list[int]:
     """Draft lengths for ``requests`` verified together: drafts added one at a time, best expected
-    tokens per second first, while each adds more than the step makes at its current rate."""
+    tokens per second first, while each adds more than the step makes at its current rate. A
+    drafted token costs what it was measured to cost its request: its own drafting time plus
+    an even share of the draft-model forwards it took part in (``drafting.py``), so a forward
+    that serves many requests already costs each of them less and is not discounted again."""
     ks = [r.limit if not r.adaptive else 0 for r in requests]
     rows = len(requests) + sum(ks)
     tokens = sum(_expected(acceptance(r), k) for r, k in zip(requests, ks))
     seconds = costs.verify(rows) + sum(costs.draft_token(r) * k for r, k in zip(requests, ks))
-    sharing = _sharing(requests)
     while True:
         best, best_gain, best_cost = -1, 0.0, 1.0
         for i, r in enumerate(requests):
             if not r.adaptive or ks[i] >= r.limit:
                 continue
             gain = acceptance(r) ** (ks[i] + 1)
-            cost = costs.draft_token(r) / sharing[r.method] + costs.verify(rows + 1) - costs.verify(rows)
+            cost = costs.draft_token(r) + costs.verify(rows + 1) - costs.verify(rows)
             if ks[i] == 0 and r.catch_up:
                 cost += _catch_up(costs, r) / max(r.remaining / (1 + gain), 1.0)  # over the steps left
             if best < 0 or gain * best_cost > best_gain * cost:
@@ -303,14 +322,6 @@ def _clamp(acceptance: float) -> float:
 def _expected(acceptance: float, k: int) -> float:
     """Expected tokens of a step with ``k`` drafts: 1 + a + ... + a^k."""
     return sum(acceptance**j for j in range(k + 1))
-
-
-def _sharing(requests: Sequence[DraftRequest]) -> dict[str, int]:
-    """Requests per method this step: a draft model's forward serves all of them at once."""
-    counts: dict[str, int] = {}
-    for r in requests:
-        counts[r.method] = counts.get(r.method, 0) + 1
-    return counts
 
 
 def _with_limit(r: DraftRequest, limit: int) -> DraftRequest:
