@@ -288,7 +288,7 @@ def test_the_step_trace_records_each_steps_times_and_drafts(llm, tmp_path, monke
     path = tmp_path / "steps.jsonl"
     monkeypatch.setenv(trace.ENV, str(path))
     monkeypatch.setattr(trace, "_TRACE", None)
-    prompts = _prompts(llm)[:2]
+    prompts = _prompts(llm)[2:]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 7)]
     batch = Batch(llm.target, FixedK())
     for p, q in zip(prompts, params):
@@ -302,6 +302,6 @@ def test_the_step_trace_records_each_steps_times_and_drafts(llm, tmp_path, monke
         assert s["rows"] == sum(r["drafted"] + 1 for r in s["requests"])
         assert all(r["planned"] == K or r["drafted"] < K for r in s["requests"] if r["source"])
     decoded = [s for s in steps if s["requests"]]
-    assert any(s["catch_ups"] for s in decoded)  # the draft model's prefill of each prompt
+    assert sum(s["draft_s"] > 0 and s["rows"] > len(s["requests"]) for s in decoded) >= len(decoded) - 2  # FixedK: all but the last steps draft
     # every token after the first (picked from the prompt's logits) came from a traced step
     assert sum(r["accepted"] + 1 for s in decoded for r in s["requests"]) == sum(q.max_tokens for q in params) - 2
