@@ -15,6 +15,8 @@ os.environ["SPECDECODE_CACHE_WATCH"] = "0"
 
 from specdecode import LLM  # noqa: E402
 from specdecode.config import SpecConfig
+from specdecode.engine.costs import StepCosts, StepTimes
+from specdecode.engine.policy import CostModel
 from tests.methods import tiny_heads
 
 # Where converted real models live (reused across runs); tests otherwise get a private home so
@@ -133,6 +135,28 @@ def tiny_pair_heads(tiny_pair, tmp_path_factory) -> dict[str, str]:
     one (tests/methods.py), so tests that build an ``LLM`` on the pair run every method."""
     target, _ = tiny_pair
     return tiny_heads(LLM(model=str(target), max_seq_len=64, progress=False), tmp_path_factory.mktemp("heads"))
+
+
+class CostTable(StepCosts):
+    """Costs the policy plans on and never re-measures: a CPU's shape (an extra verify row a
+    quarter of a step, a drafted token a fifth of one), not a tiny model's, whose draft is as
+    dear as its target, so its policy would rightly draft nothing and an identity test on it
+    prove nothing. Acceptance is still learned, so K still changes from step to step."""
+
+    def __init__(self) -> None:
+        super().__init__(step_s=0.040, shape={r: 1 + 0.25 * (r - 1) for r in range(2, 65)})
+
+    def draft_token(self, request) -> float:
+        return 0.2 * self.verify(1)
+
+    def record(self, step: StepTimes) -> None:
+        """Nothing: the table stands."""
+
+
+def on_cost_table(llm: LLM) -> LLM:
+    """``llm`` with its policy planning on ``CostTable``."""
+    llm.engine.policy = CostModel(CostTable())
+    return llm
 
 
 def spec_k(k: int, adaptive: bool = True) -> SpecConfig:

@@ -84,6 +84,29 @@ def test_ngram_table_finds_longest_match_with_a_continuation(chunks, context):
         assert set(match.ends.tolist()) == continued(expected)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-1, 3), max_size=40), st.lists(st.integers(0, 3), min_size=2, max_size=6),
+       st.integers(1, 12))
+def test_ngram_table_continues_with_the_most_frequent_next_token(tokens, context, k):
+    """The most frequent next token over the occurrences left (ties: the latest), narrowed to
+    those that took it, until a document end (-1) or the buffer's end; checked by brute force."""
+    table = NgramTable(levels=(2, 4))
+    table.extend(tokens)
+    match = table.match(context, 2, 10)
+    if match is None:
+        return
+    out, pos = [], sorted(match.ends.tolist())
+    while len(out) < k and pos:
+        nexts = [tokens[q] if q < len(tokens) else -2 for q in pos]
+        top = max(nexts.count(t) for t in nexts)
+        token = [t for t in nexts if nexts.count(t) == top][-1]
+        if token < 0:
+            break
+        out.append(token)
+        pos = [q + 1 for q, t in zip(pos, nexts) if t == token]
+    assert match.continuation(k) == out
+
+
 def _store(tmp_path: Path, docs: list[list[int]], name: str = "store", **kw) -> Path:
     out = tmp_path / name
     build_datastore([np.array(d, dtype=np.int32) for d in docs], out, vocab_size=kw.pop("vocab_size", 10),

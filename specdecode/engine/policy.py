@@ -237,10 +237,11 @@ class CostModel(SpeculationPolicy):
 
     def _probe(self, requests: Sequence[DraftRequest], ks: Sequence[int], i: int) -> int:
         """Request ``i``'s ``ks[i]``, or ``PROBE_K`` when its drafting has been off long enough to
-        re-measure and a measurement could change the choice: at its method's prior acceptance
-        it would draft in this step as planned. In a step whose other rows already make a draft
-        dearer than any acceptance repays (many requests on a compute-bound target), a probe
-        would pay its drafts, rows and catch-up for nothing, so none is run until one could."""
+        re-measure and a measurement could change the choice: were its acceptance as high as a
+        sure drafter's (``CONFIDENT_ACCEPTANCE``), it would draft in this step as planned. In a
+        step whose other rows already make a draft dearer than any acceptance repays (many
+        requests on a compute-bound target), a probe would pay its drafts, rows and catch-up
+        for nothing, so none is run until one could."""
         r, k = requests[i], ks[i]
         state = r.state
         if not r.adaptive or r.limit == 0:
@@ -250,7 +251,7 @@ class CostModel(SpeculationPolicy):
             return k
         state.idle += 1
         if (state.idle < state.probe_after or not self._probe_affordable(r)
-                or not self._k_among(requests, ks, i, max(self._prior(r.method), self.acceptance(r)))):
+                or not self._k_among(requests, ks, i, CONFIDENT_ACCEPTANCE)):
             return 0
         state.idle, state.probe_after = 0, min(2 * state.probe_after, PROBE_AFTER_MAX)
         return min(PROBE_K, r.limit)

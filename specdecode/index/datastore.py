@@ -23,7 +23,7 @@ import numpy as np
 
 from specdecode.errors import DatastoreError
 from specdecode.index.fingerprint import tokenizer_fingerprint
-from specdecode.index.matches import most_frequent
+from specdecode.index.matches import copy_run, most_frequent
 from specdecode.index.suffix_array import SuffixIndex
 from specdecode.tokenizer import Tokenizer
 
@@ -135,11 +135,7 @@ class StoreMatch:
         out: list[int] = []
         while len(out) < k:
             if hi - lo == 1:  # one occurrence left: copy what follows it, up to the document's end
-                start = int(index.sa[lo]) + depth
-                for token in index.tokens[start : start + k - len(out)].tolist():
-                    if token < 0:
-                        break
-                    out.append(token)
+                out += copy_run(index.tokens, int(index.sa[lo]) + depth, k - len(out))
                 break
             token, share = most_frequent(index.next_tokens(lo, hi, depth, SAMPLE_CAP))
             if token < 0 or share < min_share:

@@ -36,3 +36,11 @@ def most_frequent(nexts: np.ndarray) -> tuple[int, float]:
     tied = np.flatnonzero(counts == counts.max())
     best = tied[np.argmax(last[tied])]
     return int(values[best]), float(counts[best]) / len(nexts)
+
+
+def copy_run(tokens: np.ndarray, start: int, n: int) -> list[int]:
+    """Up to ``n`` tokens of ``tokens`` from ``start``, up to a document end (a negative value):
+    a match with one occurrence left continues as that occurrence did."""
+    run = tokens[start : start + n]
+    ends = np.flatnonzero(run < 0)
+    return (run[: ends[0]] if len(ends) else run).tolist()

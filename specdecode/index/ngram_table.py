@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdecode.index.matches import most_frequent
+from specdecode.index.matches import copy_run, most_frequent
 from specdecode.index.suffix_array import END
 
 DEFAULT_LEVELS = (2, 8)
@@ -105,18 +105,11 @@ class NgramTable:
         return self._ends[n][max(lo, hi - self.cap) : hi]  # the most recent `cap`
 
     def _match_lengths(self, ends: np.ndarray, tail: np.ndarray) -> np.ndarray:
-        """How many tokens before each end equal the end of ``tail``, up to len(tail)."""
-        lengths = np.zeros(len(ends), dtype=np.int64)
-        alive = np.ones(len(ends), dtype=bool)
-        buf = self._buf
-        for j in range(1, len(tail) + 1):
-            pos = ends - j
-            alive &= pos >= 0
-            alive &= buf[np.maximum(pos, 0)] == tail[-j]
-            if not alive.any():
-                break
-            lengths += alive
-        return lengths
+        """How many tokens before each end equal the end of ``tail``, up to len(tail): all
+        candidates and offsets compared at once (a handful of numpy calls, not a few a token)."""
+        pos = ends[:, None] - np.arange(1, len(tail) + 1)  # [candidates, offsets]: the j-th token back
+        same = (pos >= 0) & (self._buf[np.maximum(pos, 0)] == tail[::-1])
+        return np.where(same.all(axis=1), len(tail), np.argmin(same, axis=1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +124,9 @@ class TableMatch:
         out: list[int] = []
         pos, tokens = self.ends, self.tokens
         while len(out) < k and len(pos):
+            if len(pos) == 1:  # one occurrence left: copy what follows it, up to the document's end
+                out += copy_run(tokens, int(pos[0]), k - len(out))
+                break
             nexts = np.full(len(pos), END, dtype=np.int64)
             inside = pos < len(tokens)
             nexts[inside] = tokens[pos[inside]]
