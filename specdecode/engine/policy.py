@@ -24,7 +24,10 @@ the best expected rate, and acceptance and cost are learned per source name. A r
 measures nothing, so after ``PROBE_AFTER`` such steps it drafts ``PROBE_K``
 once to re-measure (the wait doubles while drafting stays off), paying its drafter's catch-up on
 the tokens it missed when that is cheap beside the request's remaining time
-(``PROBE_CATCH_UP_SHARE``). No output depends on the choice: greedy tokens are argmaxes and
+(``PROBE_CATCH_UP_SHARE``), and only in a step where a draft could pay at a sure drafter's
+acceptance: in a busy step every request waits for a probe's catch-up and rows. A drafted
+token costs what its request was charged (``drafting.py``: its own time and an even share of
+the draft forwards it joined), and a confident drafter's reach is priced in the step as planned. No output depends on the choice: greedy tokens are argmaxes and
 sampled ones win races keyed by their position (``sample/race.py``), so every request, seeded or
 not, is planned on measured costs.
 
