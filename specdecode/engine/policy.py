@@ -27,9 +27,10 @@ the tokens it missed when that is cheap beside the request's remaining time
 (``PROBE_CATCH_UP_SHARE``), and only in a step where a draft could pay at a sure drafter's
 acceptance: in a busy step every request waits for a probe's catch-up and rows. A drafted
 token costs what its request was charged (``drafting.py``: its own time and an even share of
-the draft forwards it joined), and a confident drafter's reach is priced in the step as planned. No output depends on the choice: greedy tokens are argmaxes and
-sampled ones win races keyed by their position (``sample/race.py``), so every request, seeded or
-not, is planned on measured costs.
+the draft forwards it joined), and a confident drafter's reach is priced in the step as
+planned. No output depends on the choice: greedy tokens are argmaxes and sampled ones win races
+keyed by their position (``sample/race.py``), so every request, seeded or not, is planned on
+measured costs.
 
 ``FixedK`` drafts ``num_speculative_tokens`` every step (``adaptive=False``: for experiments).
 Drafters that size their own proposals (``adapts_length = False``, a lookahead window) always
@@ -218,10 +219,9 @@ class CostModel(SpeculationPolicy):
         """Request ``i``'s draft length were its acceptance ``acceptance_i``, in this step as
         planned: every other request's drafts fixed at ``ks``, their rows and tokens counted."""
         costs, acceptance = self._basis()
-        fixed = [r if j == i else _with_limit(dataclasses.replace(r, adaptive=False), min(k, r.limit))
-                 for j, (r, k) in enumerate(zip(requests, ks))]
         hopeful = dataclasses.replace(requests[i], state=RequestSpeculation(acceptance=acceptance_i))
-        fixed[i] = hopeful
+        fixed = [hopeful if j == i else _with_limit(dataclasses.replace(r, adaptive=False), min(k, r.limit))
+                 for j, (r, k) in enumerate(zip(requests, ks))]
         return _allocate(fixed, costs, lambda q: _clamp(acceptance_i) if q is hopeful else acceptance(q))[i]
 
     def _basis(self) -> tuple[Costs, Callable[[DraftRequest], float]]:
