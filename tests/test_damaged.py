@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.generation import _check_finite
 from specdecode.errors import NonFiniteLogitsError, UnsupportedModelError
 from specdecode.files import specdecode_home
 from tests.gguf_blocks import write_model_gguf
@@ -70,3 +71,17 @@ def test_a_garbage_native_cache_is_repacked(tmp_path, caplog) -> None:
         cache.write_bytes(b"\x00" * 64)
     got = LLM(model=str(path), max_seq_len=128, progress=False).generate("hi", PARAMS)[0].token_ids
     assert got == want and "repacking" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_one_non_finite_logit_is_refused(bad) -> None:
+    logits = torch.randn(3, 1000)
+    logits[2, 517] = bad
+    with pytest.raises(NonFiniteLogitsError):
+        _check_finite(logits)
+
+
+def test_huge_finite_logits_whose_sum_overflows_pass() -> None:
+    logits = torch.zeros(2, 8)
+    logits[0, :3] = 3e38  # their sum is inf in float32; each is finite
+    _check_finite(logits)
