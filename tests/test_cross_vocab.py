@@ -393,10 +393,10 @@ def test_text_oracle_with_merges_is_accepted(char_llm, tmp_path, k):
 
 def test_sampling_has_the_exact_target_distribution(char_llm, char_oracle):
     _, draft = char_oracle
-    drafter = CrossVocabDrafter(Decoder.from_dir(draft, role="draft"), Tokenizer.from_dir(draft),
-                                char_llm.tokenizer, 64)
+    model, tokenizer = Decoder.from_dir(draft, role="draft"), Tokenizer.from_dir(draft)
     ids = char_llm.tokenizer.encode(_char_prompt(2))[:12]
-    assert_sampled_joint_is_exact(char_llm, ids, drafter, adaptive=False)
+    assert_sampled_joint_is_exact(char_llm, ids, lambda: CrossVocabDrafter(model, tokenizer, char_llm.tokenizer, 64),
+                                  adaptive=False)
 
 
 def test_draft_end_of_sequence_becomes_the_target_end(char_llm, tmp_path):

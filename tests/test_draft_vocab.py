@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.drafters.draft_vocab import (RANKING_PATH, VocabRanking, draft_vocab_ids, load_ranking, rank_tokens,
                                              save_ranking)
+from specdecode.drafters.base import Drafter
 from specdecode.drafters.registry import build_drafter
 from specdecode.errors import InvalidConfigError, VocabularyRankingError
 from specdecode.models import draft_quant
@@ -102,9 +104,10 @@ def pair_llm(tiny_pair):
     return LLM(model=str(target), draft=str(draft), max_seq_len=300, progress=False)
 
 
-def _restricted(llm: LLM, method: str, ids: torch.Tensor):
+def _restricted(llm: LLM, method: str, ids: torch.Tensor) -> Callable[[], Drafter]:
+    """New drafters of ``method`` whose draft model's head covers only ``ids`` (one restricted model)."""
     resources = dataclasses.replace(llm.resources, draft_model=llm.draft_model.restrict_vocabulary(ids))
-    return build_drafter(method, resources, llm.engine.max_seq_len)
+    return lambda: build_drafter(method, resources, llm.engine.max_seq_len)
 
 
 def test_the_tiny_pair_keeps_the_whole_head_by_default(pair_llm):
@@ -123,7 +126,7 @@ def test_greedy_identity_with_a_restricted_draft(pair_llm, method):
         subset = _subset(TINY_VOCAB, TINY_VOCAB // 2, seed, leave_out=tuple(plain[:1]) + tuple(plain[5:8]))
         assert plain[0] not in subset.tolist()
         for adaptive in (False, True):
-            out = pair_llm.engine.generate(ids, params, _restricted(pair_llm, method, subset), spec_k(4, adaptive))
+            out = pair_llm.engine.generate(ids, params, _restricted(pair_llm, method, subset)(), spec_k(4, adaptive))
             assert out.token_ids == plain, (method, seed, adaptive)
             drafted += out.stats.draft_tokens
             accepted += out.stats.accepted_tokens
@@ -151,7 +154,7 @@ def test_structured_output_masks_the_subset(pair_llm):
     plain = pair_llm.engine.generate(ids, params, None, spec_k(4)).token_ids
     digits = [pair_llm.tokenizer.encode(str(d))[0] for d in range(10)]
     for subset in (_subset(TINY_VOCAB, 200, leave_out=tuple(digits[:5])), torch.tensor(digits)):
-        out = pair_llm.engine.generate(ids, params, _restricted(pair_llm, "draft_model", subset), spec_k(4, False))
+        out = pair_llm.engine.generate(ids, params, _restricted(pair_llm, "draft_model", subset)(), spec_k(4, False))
         assert out.token_ids == plain
 
 

@@ -193,7 +193,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(trained, tree_width
     target, head = trained
     llm = LLM(model=str(target), eagle_head=str(head), max_seq_len=300, progress=False, head_tree_width=tree_width)
     ids = _prompt_with_likely_continuations(llm, SamplingParams(max_tokens=3, temperature=1.0, top_k=3))
-    assert_sampled_joint_is_exact(llm, ids, llm.drafter("eagle"), k=2 if not tree_width else 4)
+    assert_sampled_joint_is_exact(llm, ids, lambda: llm.new_drafter("eagle"), k=2 if not tree_width else 4)
 
 
 def test_method_without_a_head_is_a_clear_error(target_dir):

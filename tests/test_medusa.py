@@ -110,7 +110,7 @@ def test_sampled_tokens_follow_the_exact_target_distribution(trained, tree_width
     llm = LLM(model=str(target), medusa_heads=str(folder), max_seq_len=300, progress=False,
               head_tree_width=tree_width)
     ids = _prompt_with_likely_continuations(llm, SamplingParams(max_tokens=3, temperature=1.0, top_k=3))
-    assert_sampled_joint_is_exact(llm, ids, llm.drafter("medusa"), k=2 if not tree_width else 4)
+    assert_sampled_joint_is_exact(llm, ids, lambda: llm.new_drafter("medusa"), k=2 if not tree_width else 4)
 
 
 def test_heads_for_another_target_are_refused(trained, tmp_path):

@@ -8,19 +8,25 @@ resampling are exercised.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
+from specdecode.config import SpecConfig
+from specdecode.drafters.base import Drafter
+from specdecode.engine.generation import GenerationOutput
 from specdecode.sample.sampling import logits_to_probs
 from tests.conftest import spec_k
 from tests.methods import SPEC_METHODS, RandomK
 
 TRIALS = 1500
+BATCH_SIZES = (1, 3, 16, 40)  # samples decoded together, in turn
 
 
 def chi2_critical(dof: int, p: float = 1e-3) -> float:
@@ -61,19 +67,35 @@ def _prompt_with_likely_continuations(llm: LLM, params: SamplingParams) -> list[
     return pairs + tail
 
 
-def assert_sampled_joint_is_exact(llm: LLM, ids: list[int], drafter, k: int = 2, adaptive: bool = False,
-                                  trials: int = TRIALS) -> None:
-    """Sample 3 tokens ``trials`` times with ``drafter`` (top_k = 3, so 27 cells) and chi-square
-    the joint law of the first three against the exact one; the 2nd and 3rd pass verification."""
+def sampled_outputs(llm: LLM, ids: list[int], params: SamplingParams, new_drafter: Callable[[], Drafter],
+                    spec: SpecConfig, trials: int) -> Iterator[GenerationOutput]:
+    """``trials`` samples of ``ids`` with ``params`` under seeds 0, 1, ..., each with a drafter from
+    ``new_drafter``. They run in batches of ``BATCH_SIZES`` in turn: a lone request, and samples
+    of the prompt decoded together (``Engine.generate_samples``), whose rows, drafts and
+    rejections share each step; each sample's law must be the target's either way. (Batches also
+    make the 1500 runs of a law test a fraction of their time alone.)"""
+    seeds = iter(range(trials))
+    for size in itertools.cycle(BATCH_SIZES):
+        batch = list(itertools.islice(seeds, size))
+        if not batch:
+            return
+        samples = [dataclasses.replace(params, seed=seed) for seed in batch]
+        yield from llm.engine.generate_samples(ids, samples, [new_drafter() for _ in batch], spec)
+
+
+def assert_sampled_joint_is_exact(llm: LLM, ids: list[int], new_drafter: Callable[[], Drafter], k: int = 2,
+                                  adaptive: bool = False, trials: int = TRIALS) -> None:
+    """Sample 3 tokens ``trials`` times (``sampled_outputs``; top_k = 3, so 27 cells) and
+    chi-square the joint law of the first three against the exact one; the 2nd and 3rd pass
+    verification."""
     base = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     exact = exact_joint(llm, ids, base, depth=3)
     assert len(exact) == 27 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
     counts: Counter = Counter()
     drafted = accepted = 0
-    for seed in range(trials):
-        # max_tokens=4 lets the first verify step carry 2 drafts; the law of tokens 1..3 is checked.
-        params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
-        out = llm.engine.generate(ids, params, drafter, spec_k(k, adaptive=adaptive))
+    # max_tokens=4 lets the first verify step carry 2 drafts; the law of tokens 1..3 is checked.
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+    for out in sampled_outputs(llm, ids, params, new_drafter, spec_k(k, adaptive=adaptive), trials):
         counts[tuple(out.token_ids[:3])] += 1
         drafted += out.stats.draft_tokens
         accepted += out.stats.accepted_tokens
@@ -103,7 +125,7 @@ def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, tiny_pair_
     llm = LLM(model=str(target), draft=str(draft), max_seq_len=300, progress=False, **tiny_pair_heads)
     llm.engine.policy = RandomK(seed=1)
     ids = _prompt_with_likely_continuations(llm, SamplingParams(max_tokens=3, temperature=1.0, top_k=3))
-    assert_sampled_joint_is_exact(llm, ids, llm.drafter(method), adaptive=True)
+    assert_sampled_joint_is_exact(llm, ids, lambda: llm.new_drafter(method), adaptive=True)
 
 
 def test_same_seed_same_sample(tiny_pair):

@@ -158,7 +158,7 @@ def test_seeded_sampling_is_reproducible(llm):
 def test_sampled_tokens_follow_the_exact_target_distribution(llm):
     """The joint law of the first three tokens (the 2nd and 3rd pass through verification)."""
     ids = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(3)).tolist()
-    assert_sampled_joint_is_exact(llm, ids, SelfSpecDrafter(llm.target, [1], 512))
+    assert_sampled_joint_is_exact(llm, ids, lambda: SelfSpecDrafter(llm.target, [1], 512))
 
 
 # --- calibration ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from specdecode.sample.grammar import _unpack
 from specdecode.sample.sampling import logits_to_probs
 from tests.conftest import EOS_ID, TINY_VOCAB, spec_k
 from tests.methods import SPEC_METHODS
-from tests.test_sampling_lossless import chi2_critical
+from tests.test_sampling_lossless import chi2_critical, sampled_outputs
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -196,10 +196,10 @@ def test_sampled_law_under_a_mask_is_exact(llm, method):
     assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-6)
     trials, counts, drafted, accepted = 1500, Counter(), 0, 0
     forbidden = next(t for t in range(256) if t not in letters and llm.tokenizer.decode([t]).isalpha())
-    drafter = _UnguidedSampler(letters + [forbidden]) if method == "unguided" else llm.new_drafter(method)
-    for seed in range(trials):
-        params = SamplingParams(max_tokens=4, temperature=1.0, seed=seed, constraint=constraint)
-        out = llm.engine.generate(ids, params, drafter, spec_k(3, adaptive=False))
+    unguided = _UnguidedSampler(letters + [forbidden])  # holds no request's state
+    new_drafter = (lambda: unguided) if method == "unguided" else (lambda: llm.new_drafter(method))
+    params = SamplingParams(max_tokens=4, temperature=1.0, constraint=constraint)
+    for out in sampled_outputs(llm, ids, params, new_drafter, spec_k(3, adaptive=False), trials):
         counts[tuple(out.token_ids[:3])] += 1
         assert out.token_ids[3:] == [EOS_ID]
         drafted += out.stats.draft_tokens
