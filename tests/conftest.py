@@ -16,7 +16,7 @@ os.environ["SPECDECODE_CACHE_WATCH"] = "0"
 from specdecode import LLM  # noqa: E402
 from specdecode.config import SpecConfig
 from specdecode.engine.costs import StepCosts, StepTimes
-from specdecode.engine.policy import CostModel
+from specdecode.engine import policy
 from tests.methods import tiny_heads
 
 # Where converted real models live (reused across runs); tests otherwise get a private home so
@@ -153,10 +153,15 @@ class CostTable(StepCosts):
         """Nothing: the table stands."""
 
 
-def on_cost_table(llm: LLM) -> LLM:
-    """``llm`` with its policy planning on ``CostTable``."""
-    llm.engine.policy = CostModel(CostTable())
-    return llm
+@pytest.fixture(autouse=True, scope="session")
+def policies_plan_on_the_cost_table() -> Iterator[None]:
+    """Every engine the tests build plans on ``CostTable``. On costs measured while running, a
+    tiny model's drafts pay or not with how busy the host is, so a test that needs drafts (an
+    identity test that checks some were drafted and kept) would pass or fail with the load.
+    Tests of measuring build their own ``CostModel(StepCosts())``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policy, "StepCosts", CostTable)
+        yield
 
 
 def spec_k(k: int, adaptive: bool = True) -> SpecConfig:

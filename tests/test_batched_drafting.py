@@ -16,7 +16,8 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine.batch import Batch
 from specdecode.engine import trace
 from specdecode.engine.drafting import DraftWork, draft_all
-from specdecode.engine.policy import FixedK
+from specdecode.engine.costs import StepCosts
+from specdecode.engine.policy import CostModel, FixedK
 from specdecode.models.decoder import Decoder
 from specdecode.sequence import DraftProposal
 from specdecode.server.scheduler import Scheduler
@@ -305,3 +306,19 @@ def test_the_step_trace_records_each_steps_times_and_drafts(llm, tmp_path, monke
     assert sum(s["draft_s"] > 0 and s["rows"] > len(s["requests"]) for s in decoded) >= len(decoded) - 2  # FixedK: all but the last steps draft
     # every token after the first (picked from the prompt's logits) came from a traced step
     assert sum(r["accepted"] + 1 for s in decoded for r in s["requests"]) == sum(q.max_tokens for q in params) - 2
+
+
+def test_a_run_measures_the_costs_its_policy_plans_on(llm):
+    """The engine's steps teach the default policy its costs (the other tests plan on
+    ``conftest.CostTable``): a one-row step's seconds, the shape of multi-row verifies, and the
+    drafter's seconds per drafted token."""
+    policy = CostModel(StepCosts())
+    batch = Batch(llm.target, policy)
+    batch.add(llm.engine.begin(_prompts(llm)[3], SamplingParams(max_tokens=16, ignore_eos=True),
+                               llm.new_drafter("draft_model"), spec_k(K)))
+    while len(batch):
+        batch.step()
+    costs = policy.costs
+    assert costs.verify_measured and costs.step_s > 0
+    assert costs.shape and all(steps > 0 for steps in costs.shape.values())
+    assert costs.draft_token_steps.get("draft_model", 0) > 0

@@ -27,7 +27,7 @@ from specdecode.drafters.cross_vocab import CrossVocabDrafter, _CommittedText, _
 from specdecode.drafters.vocab import continue_ids, same_vocabulary, stable_continuation
 from specdecode.models.decoder import Decoder
 from specdecode.tokenizer import Tokenizer, build_byte_level_bpe
-from tests.conftest import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, on_cost_table, spec_k
+from tests.conftest import EOS_ID, TINY_VOCAB, make_tiny_model, make_tiny_tokenizer, spec_k
 from tests.test_sampling_lossless import assert_sampled_joint_is_exact
 
 MERGED_VOCAB = 300
@@ -285,7 +285,7 @@ def test_windowed_encoder_matches_a_full_encode(tokenizers_):
 @pytest.fixture(scope="module")
 def byte_llm(tiny_pair) -> LLM:
     target, _ = tiny_pair
-    return on_cost_table(LLM(model=str(target), max_seq_len=512, progress=False))
+    return LLM(model=str(target), max_seq_len=512, progress=False)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])

@@ -17,7 +17,7 @@ from specdecode.heads.eagle3 import Eagle3Config, Eagle3Head, default_hidden_lay
 from specdecode.heads.eagle3_format import load_eagle3, save_eagle3
 from specdecode.models.config import ModelConfig, config_fingerprint
 from specdecode.models.decoder import Decoder, HiddenCapture
-from tests.conftest import make_tiny_llm, on_cost_table
+from tests.conftest import make_tiny_llm
 from tests.test_lossless import _greedy, _prompt
 from tests.test_sampling_lossless import _prompt_with_likely_continuations, assert_sampled_joint_is_exact
 from tests.test_train import greedy_examples, sharp_target
@@ -60,8 +60,8 @@ def head_dir(target_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def llms(target_dir, head_dir) -> dict[int, LLM]:
     """By tree width (0: chain)."""
-    return {w: on_cost_table(LLM(model=str(target_dir), eagle_head=str(head_dir), max_seq_len=512, progress=False,
-                                 head_tree_width=w)) for w in (0, 3)}
+    return {w: LLM(model=str(target_dir), eagle_head=str(head_dir), max_seq_len=512, progress=False,
+                   head_tree_width=w) for w in (0, 3)}
 
 
 def test_head_shapes_follow_the_target():

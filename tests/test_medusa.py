@@ -17,7 +17,6 @@ from specdecode.heads.medusa_format import load_medusa, save_medusa
 from specdecode.models.config import config_fingerprint
 from specdecode.train import loop, medusa
 from specdecode.train.capture import draft_vocabulary
-from tests.conftest import on_cost_table
 from tests.test_lossless import _greedy, _prompt
 from tests.test_sampling_lossless import _prompt_with_likely_continuations, assert_sampled_joint_is_exact
 from tests.test_train import _code_folder, greedy_examples, sharp_target
@@ -93,8 +92,8 @@ def test_fasterdecoding_checkpoints_load(tmp_path):
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_identity(trained, k, tree_width):
     target, folder, _ = trained
-    llm = on_cost_table(LLM(model=str(target), medusa_heads=str(folder), max_seq_len=300, progress=False,
-                            head_tree_width=tree_width))
+    llm = LLM(model=str(target), medusa_heads=str(folder), max_seq_len=300, progress=False,
+              head_tree_width=tree_width)
     drafted = accepted = 0
     for seed in range(4):
         plain = llm.generate(_prompt(seed), _greedy(), method="none")[0]
