@@ -241,9 +241,29 @@ def test_generate_n_best_of_ranks_by_cumulative_logprob(llm):
 
 @pytest.mark.parametrize("method", SPEC_METHODS)
 def test_generate_n_of_every_method_equals_plain_decodings(llm, method):
-    """Including methods whose drafters read the prompt's hidden states: their samples prefill
-    for themselves."""
+    """Including methods whose drafters read the prompt's hidden states: their samples start on
+    the first sample's prefill and its captured states too."""
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=77, ignore_eos=True)
     prompt = "every method: def h(z):"
     plain = llm.generate_n(prompt, params, 3, method="none")
-    assert [o.token_ids for o in llm.generate_n(prompt, params, 3, method=method)] == [o.token_ids for o in plain]
+    outputs = llm.generate_n(prompt, params, 3, method=method)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    prompt_len = len(outputs[0].prompt_token_ids)
+    assert [o.stats.cached_tokens for o in outputs[1:]] == [prompt_len, prompt_len]
+
+
+def test_a_request_whose_head_reads_hidden_states_starts_only_on_a_prefill_that_captures_them(llm):
+    ids = llm.tokenizer.encode("shared states: def g(y):")
+    params = SamplingParams(max_tokens=4)
+    gens = {name: llm.engine.begin(ids, params, None if name == "none" else llm.new_drafter(name), fresh=True)
+            for name in ("none", "eagle", "medusa")}
+    try:
+        assert gens["none"].can_start_on(gens["eagle"])  # plain decoding needs no states
+        assert not gens["eagle"].can_start_on(gens["none"])  # that prefill captures none
+        assert not gens["eagle"].can_start_on(gens["medusa"])  # other layers
+        other = llm.engine.begin(ids + [5], params, llm.new_drafter("eagle"), fresh=True)
+        assert not gens["eagle"].can_start_on(other)  # another prompt
+        llm.engine.caches.discard(other.cache)
+    finally:
+        for gen in gens.values():
+            llm.engine.caches.discard(gen.cache)

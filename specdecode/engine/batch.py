@@ -101,11 +101,9 @@ class Batch:
             shares: Member | None = None) -> Member:
         """Add a request. ``shares``: a member with the same prompt, still prefilling, whose
         prefill this request takes instead of running its own (see the module docstring); it is
-        ignored when either cannot share (``Generation.shares_prefill``) or ``shares`` is done
+        ignored when ``gen`` cannot start on it (``Generation.can_start_on``) or ``shares`` is done
         prefilling."""
-        if (shares is not None and shares in self.members and shares.prefilling and gen.shares_prefill
-                and shares.gen.seq.prompt_len == gen.seq.prompt_len
-                and shares.gen.seq.token_ids[: gen.seq.prompt_len] == gen.seq.token_ids[: gen.seq.prompt_len]):
+        if shares is not None and shares in self.members and shares.prefilling and gen.can_start_on(shares.gen):
             member = Member(gen, tag, cancelled, source=shares)
         else:
             member = Member(gen, tag, cancelled, gen.prefill_chunks())
@@ -181,7 +179,7 @@ class Batch:
         # The samples sharing this prefill copy the cache first: ``m`` may finish and hand it back.
         for other in self._sharing(m):
             other.source = None
-            self._start(other, lambda g=other.gen: g.start_shared(gen.cache, logits), out)
+            self._start(other, lambda g=other.gen: g.start_shared(gen.cache, logits, gen.capture), out)
         self._start(m, lambda: gen.start(logits), out)
 
     def _sharing(self, m: Member) -> list[Member]:

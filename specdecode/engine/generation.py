@@ -144,20 +144,28 @@ class Generation:
                 self.drafter.observe_hidden(self.capture.take())
         return self._event(new, logits)
 
-    @property
-    def shares_prefill(self) -> bool:
-        """Whether this request can start on another request's prefill of its prompt
-        (``start_shared``): its cache holds none of the prompt yet and no drafter needs the
-        prompt's hidden states, which only its own prefill would capture."""
-        return self.cached == 0 and self.capture is None
+    def can_start_on(self, other: Generation) -> bool:
+        """Whether this request can start on ``other``'s prefill (``start_shared``): the same
+        prompt, none of it in this request's cache yet, and where this request's drafter reads
+        the prompt's hidden states, ``other``'s prefill captures the same layers over all of it."""
+        n = self.seq.prompt_len
+        if self.cached or other.seq.prompt_len != n or other.seq.token_ids[:n] != self.seq.token_ids[:n]:
+            return False
+        return self.capture is None or (other.capture is not None and other.capture.layers == self.capture.layers
+                                        and other.cached == 0)
 
-    def start_shared(self, source: KVCache, logits: Tensor) -> StreamEvent:
+    def start_shared(self, source: KVCache, logits: Tensor, hidden: HiddenCapture | None = None) -> StreamEvent:
         """``start`` on another request's prefill of the same prompt (another sample of it):
-        ``source`` holds the prompt's keys and values, ``logits`` [1, V] are its last row. The
-        prefill runs on row-invariant kernels, so these are the bits this request's own prefill
-        would compute; copying them replaces that prefill."""
-        if not self.shares_prefill:
-            raise ValueError("start_shared needs a request with an empty cache and no hidden-state capture")
+        ``source`` holds the prompt's keys and values, ``logits`` [1, V] are its last row, and
+        ``hidden`` the prompt's hidden states that prefill captured, for a drafter that reads them.
+        The prefill runs on row-invariant kernels, so these are the bits this request's own
+        prefill would compute; copying them replaces that prefill."""
+        if self.cached:
+            raise ValueError("start_shared needs a request whose cache holds none of the prompt")
+        if self.capture is not None:
+            if hidden is None:
+                raise ValueError("this request's drafter reads hidden states: start_shared needs the prefill's")
+            hidden.copy_to(self.capture)
         n = self.seq.prompt_len
         self.cache.copy_prefix(source, n)
         self.cached = self.stats.cached_tokens = n

@@ -53,6 +53,13 @@ class HiddenCapture:
         self._parts.clear()
         return states
 
+    def copy_to(self, other: HiddenCapture) -> None:
+        """Give ``other`` (a capture of the same layers) the rows appended since the last
+        ``take`` as its own: another sample of the same prompt starts on this prefill's states."""
+        if other.layers != self.layers:
+            raise ValueError(f"captures of layers {self.layers} and {other.layers} cannot share rows")
+        other._parts = list(self._parts)  # the tensors are only read, so the samples share them
+
 
 class Decoder:
     """Llama-family transformer: ``forward(tokens, cache) -> logits``, computed by ``backend``."""
