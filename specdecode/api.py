@@ -20,7 +20,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.registry import REGISTRY, DraftResources, build_drafter
 from specdecode.drafters.draft_vocab import restricted_draft
 from specdecode.drafters.vocab import same_vocabulary
-from specdecode.engine.engine import Engine
+from specdecode.engine.engine import MAX_BATCH, Engine
 from specdecode.engine.generation import GenerationOutput, StreamEvent
 from specdecode.engine.samples import best, sample_params
 from specdecode.models.watch import WATCH
@@ -227,13 +227,27 @@ class LLM:
         num_speculative_tokens: int | None = None,
         *,
         adaptive: bool | None = None,
+        max_batch: int = MAX_BATCH,
     ) -> list[GenerationOutput]:
         """Complete each prompt: raw text (no chat template) or token ids, one or a list.
         ``method``, ``num_speculative_tokens`` and ``adaptive`` override the LLM's settings for
-        this call (validated like them)."""
+        this call (validated like them). A list decodes as one batch of up to ``max_batch``
+        running requests (``Engine.generate_many``): the outputs one call per prompt gives, in
+        the prompts' order, in less time."""
         if isinstance(prompts, str) or _is_ids(prompts):
             prompts = [prompts]
-        return [_output(self.events(p, params, method, num_speculative_tokens, adaptive=adaptive)) for p in prompts]
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidConfigError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if len(prompts) == 1:
+            return [_output(self.events(prompts[0], params, method, num_speculative_tokens, adaptive=adaptive))]
+        spec = self._spec(method, num_speculative_tokens, adaptive)
+        params = params or SamplingParams()
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+
+        def new_drafter(prompt_ids: list[int]) -> Drafter | None:
+            return self.new_drafter(spec.method, min(self.engine.max_seq_len, len(prompt_ids) + params.max_tokens))
+
+        return self.engine.generate_many(ids, params, new_drafter, spec, max_batch)
 
     def generate_n(
         self,

@@ -1,10 +1,14 @@
-"""The public API's shapes: events with the final output, token-id prompts, per-call overrides."""
+"""The public API's shapes: events with the final output, token-id prompts, per-call overrides,
+lists of prompts decoded as one batch."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.batch import Batch
 from specdecode.errors import InvalidConfigError
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -48,3 +52,42 @@ def test_per_call_overrides_are_validated_and_used(llm) -> None:
 def test_unknown_settings_are_named(tiny_pair) -> None:
     with pytest.raises(InvalidConfigError, match="num_speculative_token\\b.*the speculative ones are"):
         LLM(model=str(tiny_pair[0]), num_speculative_token=4, progress=False)
+
+
+def _steps_running(monkeypatch) -> list[int]:
+    """How many requests each step of the step loop runs, from now on."""
+    running: list[int] = []
+    step = Batch.step
+
+    def counting(self: Batch):
+        running.append(len(self))
+        return step(self)
+
+    monkeypatch.setattr(Batch, "step", counting)
+    return running
+
+
+def test_a_list_of_prompts_decodes_as_one_batch_with_each_prompts_own_output(llm, monkeypatch) -> None:
+    prompts = [f"batch {i}: def f{i}(x):" for i in range(5)]
+    solo = [llm.generate(p, PARAMS)[0].token_ids for p in prompts]
+    running = _steps_running(monkeypatch)
+    outputs = llm.generate(prompts, PARAMS, max_batch=2)
+    assert [o.token_ids for o in outputs] == solo  # in the prompts' order
+    assert max(running) == 2 and len(running) < sum(len(ids) for ids in solo)
+    with pytest.raises(InvalidConfigError, match="max_batch"):
+        llm.generate(prompts, PARAMS, max_batch=0)
+
+
+def test_a_batch_waits_for_room_in_the_memory_budget(tiny_pair, monkeypatch) -> None:
+    """With room for one request's cache, the others wait for it to end instead of failing."""
+    roomy = LLM(model=str(tiny_pair[0]), max_seq_len=256, progress=False, prefix_cache=False)
+    caches = roomy.engine.caches
+    prompts = [f"room {i}:" for i in range(3)]
+    tokens = max(len(roomy.tokenizer.encode(p)) for p in prompts) + PARAMS.max_tokens
+    one = math.ceil(tokens / caches.block) * caches.block * caches.slot_bytes
+    tight = LLM(model=str(tiny_pair[0]), max_seq_len=256, progress=False, prefix_cache=False,
+                kv_cache_memory=one + one // 2)
+    running = _steps_running(monkeypatch)
+    outputs = tight.generate(prompts, PARAMS, max_batch=3)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy.generate(prompts, PARAMS, max_batch=1)]
+    assert max(running) == 1
