@@ -213,7 +213,7 @@ def test_installed_weight_files_are_found_in_order() -> None:
 
 
 @pytest.mark.slow
-def test_smollm_resolves_and_transformers_says_paris(home: Path) -> None:
+def test_smollm_resolves_and_transformers_says_paris(home: Path, gguf_reads_from_memory) -> None:
     transformers = pytest.importorskip("transformers")
     import torch
 

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
-import sys
 
 import pytest
 
+from specdecode.cli import main
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    """``specdecode ARGS`` as a finished process: exit code, stdout and stderr. It runs in this
+    process, through ``main`` as ``python -m specdecode.cli`` runs it (whose errors and messages
+    go to whatever ``sys.stderr`` is), which saves the 3-4 s a new interpreter takes to import
+    torch; tests/test_server_cli.py runs real processes where signals and exits matter."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help, usage errors
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    return subprocess.CompletedProcess(["specdecode", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_generate_json_compare(tiny_pair):

@@ -308,7 +308,7 @@ def smollm_gguf() -> Path | None:
 
 
 @pytest.mark.slow
-def test_smollm_tensors_equal_transformers_gguf_loader(tmp_path: Path) -> None:
+def test_smollm_tensors_equal_transformers_gguf_loader(tmp_path: Path, gguf_reads_from_memory) -> None:
     """Our dequantize + un-permute must give bit-identical tensors to transformers' GGUF path."""
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

@@ -250,14 +250,14 @@ def _compare_with_transformers(ours: Tokenizer, gguf_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm_tokenizer_equals_transformers_gguf_tokenizer(smollm: Tokenizer) -> None:
+def test_smollm_tokenizer_equals_transformers_gguf_tokenizer(smollm: Tokenizer, gguf_reads_from_memory) -> None:
     path = smollm_gguf()
     assert path is not None
     _compare_with_transformers(smollm, path)
 
 
 @pytest.mark.slow
-def test_qwen_tokenizer_equals_transformers_gguf_tokenizer(tmp_path: Path) -> None:
+def test_qwen_tokenizer_equals_transformers_gguf_tokenizer(tmp_path: Path, gguf_reads_from_memory) -> None:
     from specdecode.errors import WeightsMissingError
     from specdecode.models.catalog import CATALOG, find_weight_files
 

@@ -37,12 +37,10 @@ def sharp_target(path: Path) -> Path:
 def greedy_examples(llm: LLM, layers, count: int, seed: int = 0) -> list[Example]:
     """The target's own greedy continuations of random byte prompts, captured."""
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        prompt = torch.randint(0, 256, (8,), generator=g).tolist()
-        answer = llm.generate(prompt, SamplingParams(max_tokens=60, ignore_eos=True))[0].token_ids
-        out.append(capture(llm.target, TrainingSequence(prompt + answer, len(prompt)), layers))
-    return out
+    prompts = [torch.randint(0, 256, (8,), generator=g).tolist() for _ in range(count)]
+    answers = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True), method="none", max_batch=32)
+    return [capture(llm.target, TrainingSequence(prompt + answer.token_ids, len(prompt)), layers)
+            for prompt, answer in zip(prompts, answers)]
 
 
 @pytest.fixture(scope="module")
