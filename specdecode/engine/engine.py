@@ -165,19 +165,22 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         batch = Batch(self.target, self.policy, caches=self.caches)
-        waiting = deque(enumerate(prompts))
+        # (index, prompt, its drafter in a 1-tuple once made: None is plain decoding's drafter)
+        waiting: deque[tuple[int, list[int], tuple[Drafter | None] | None]] = deque(
+            (i, ids, None) for i, ids in enumerate(prompts))
         outputs: dict[int, GenerationOutput] = {}
         try:
             while waiting or len(batch):
                 while waiting and len(batch) < max_batch:
-                    i, ids = waiting[0]
+                    i, ids, drafter = waiting.popleft()
+                    drafter = drafter or (new_drafter(ids),)  # made once, however long it waits
                     try:
-                        gen = self.begin(ids, params, new_drafter(ids), spec)
+                        gen = self.begin(ids, params, drafter[0], spec)
                     except KVCacheFullError:
                         if not len(batch):
                             raise
+                        waiting.appendleft((i, ids, drafter))
                         break  # room comes when a running request ends
-                    waiting.popleft()
                     batch.add(gen, i)
                 outcome = batch.step()
                 for member, event in outcome.events:
