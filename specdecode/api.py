@@ -242,7 +242,7 @@ class LLM:
             return [_output(self.events(prompts[0], params, method, num_speculative_tokens, adaptive=adaptive))]
         spec = self._spec(method, num_speculative_tokens, adaptive)
         params = params or SamplingParams()
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        ids = [self._ids(p) for p in prompts]
 
         def new_drafter(prompt_ids: list[int]) -> Drafter | None:
             return self.new_drafter(spec.method, min(self.engine.max_seq_len, len(prompt_ids) + params.max_tokens))
@@ -277,7 +277,7 @@ class LLM:
         ranked = count > n
         children = sample_params(params, count, ranked)
         spec = self._spec(method, num_speculative_tokens, adaptive)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self._ids(prompt)
         capacity = min(self.engine.max_seq_len, len(ids) + params.max_tokens)
         drafters = [self.new_drafter(spec.method, capacity) for _ in children]
         outputs = self.engine.generate_samples(ids, children, drafters, spec)
@@ -323,8 +323,12 @@ class LLM:
         the text and token ids accepted since the last, and the last event the whole
         ``GenerationOutput`` with its statistics."""
         spec = self._spec(method, num_speculative_tokens, adaptive)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self._ids(prompt)
         return self.engine.stream(ids, params or SamplingParams(), self.drafter(spec.method), spec)
+
+    def _ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt's token ids: raw text encoded (no chat template), or the ids given."""
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
 
     def _spec(self, method: str | None, num_speculative_tokens: int | None, adaptive: bool | None) -> SpecConfig:
         """The LLM's settings with a call's overrides (validated like them)."""

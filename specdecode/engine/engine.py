@@ -127,11 +127,7 @@ class Engine:
                          drafters: Sequence[Drafter | None], spec: SpecConfig = PLAIN) -> list[GenerationOutput]:
         """One output per ``params``, all samples of ``prompt_ids`` decoded together in one batch
         on one prefill of the prompt (see ``begin_samples``)."""
-        outputs: dict[int, GenerationOutput] = {}
-        for i, event in self._run(prompt_ids, params, drafters, spec):
-            if event.output is not None:
-                outputs[i] = event.output
-        return [outputs[i] for i in range(len(params))]
+        return _outputs(self._run(prompt_ids, params, drafters, spec), len(params))
 
     def _run(self, prompt_ids: list[int], params: Sequence[SamplingParams], drafters: Sequence[Drafter | None],
              spec: SpecConfig) -> Iterator[tuple[int, StreamEvent]]:
@@ -142,15 +138,7 @@ class Engine:
         first = batch.add(gens[0], 0)
         for i, gen in enumerate(gens[1:], 1):
             batch.add(gen, i, shares=first)
-        try:
-            while len(batch):
-                outcome = batch.step()
-                for member, event in outcome.events:
-                    yield member.tag, event
-                for _, error in outcome.failed:
-                    raise error
-        finally:  # the caller stopped early: the requests' caches must not stay counted as running
-            batch.drop_all(kept=True)
+        yield from _drive(batch)
 
     def generate_many(self, prompts: Sequence[list[int]], params: SamplingParams,
                       new_drafter: Callable[[list[int]], Drafter | None], spec: SpecConfig = PLAIN,
@@ -168,29 +156,21 @@ class Engine:
         # (index, prompt, its drafter in a 1-tuple once made: None is plain decoding's drafter)
         waiting: deque[tuple[int, list[int], tuple[Drafter | None] | None]] = deque(
             (i, ids, None) for i, ids in enumerate(prompts))
-        outputs: dict[int, GenerationOutput] = {}
-        try:
-            while waiting or len(batch):
-                while waiting and len(batch) < max_batch:
-                    i, ids, drafter = waiting.popleft()
-                    drafter = drafter or (new_drafter(ids),)  # made once, however long it waits
-                    try:
-                        gen = self.begin(ids, params, drafter[0], spec)
-                    except KVCacheFullError:
-                        if not len(batch):
-                            raise
-                        waiting.appendleft((i, ids, drafter))
-                        break  # room comes when a running request ends
-                    batch.add(gen, i)
-                outcome = batch.step()
-                for member, event in outcome.events:
-                    if event.output is not None:
-                        outputs[member.tag] = event.output
-                for _, error in outcome.failed:
-                    raise error
-        finally:  # an error: the running requests' caches must not stay counted as running
-            batch.drop_all(kept=True)
-        return [outputs[i] for i in range(len(prompts))]
+
+        def admit() -> None:
+            while waiting and len(batch) < max_batch:
+                i, ids, drafter = waiting.popleft()
+                drafter = drafter or (new_drafter(ids),)  # made once, however long it waits
+                try:
+                    gen = self.begin(ids, params, drafter[0], spec)
+                except KVCacheFullError:
+                    if not len(batch):
+                        raise
+                    waiting.appendleft((i, ids, drafter))
+                    return  # room comes when a running request ends
+                batch.add(gen, i)
+
+        return _outputs(_drive(batch, admit), len(prompts))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                  spec: SpecConfig = PLAIN) -> GenerationOutput:
@@ -198,3 +178,27 @@ class Engine:
             if event.output is not None:
                 return event.output
         raise RuntimeError("engine stream ended without an output")  # unreachable
+
+
+def _drive(batch: Batch, admit: Callable[[], None] = lambda: None) -> Iterator[tuple[int, StreamEvent]]:
+    """Step ``batch`` until it is empty, ``admit`` adding waiting requests before each step; yield
+    each event with its request's tag and raise the first error any request meets. However it
+    ends (done, an error, the caller stopping early), the running requests' caches are handed
+    back, so none stays counted as running."""
+    try:
+        admit()
+        while len(batch):
+            outcome = batch.step()
+            for member, event in outcome.events:
+                yield member.tag, event
+            for _, error in outcome.failed:
+                raise error
+            admit()
+    finally:
+        batch.drop_all(kept=True)
+
+
+def _outputs(events: Iterator[tuple[int, StreamEvent]], count: int) -> list[GenerationOutput]:
+    """The final output of each of ``count`` requests tagged 0..count-1, in tag order."""
+    outputs = {tag: event.output for tag, event in events if event.output is not None}
+    return [outputs[i] for i in range(count)]
