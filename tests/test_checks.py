@@ -13,8 +13,9 @@ from specdecode.models import catalog, checks, integrity
 from specdecode.models.catalog import CatalogEntry, is_converted, pull, resolve_model
 from specdecode.models.checks import Record, State
 from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
+from specdecode.models.decoder import Decoder
 from specdecode.models.gguf_load import native_weights
-from specdecode.models.gguf_planes import REPACK_VERSION, cache_path
+from specdecode.models.gguf_planes import REPACK_VERSION, cache_path, int4_cache_path
 from test_catalog import count_conversions, home, tiny_entry  # noqa: F401 - fixtures
 from test_files import _dead_pid
 
@@ -101,20 +102,22 @@ def test_verify_finds_same_size_damage_and_the_next_use_rebuilds(tiny_entry: Cat
     sources = catalog.find_weight_files(tiny_entry)
     native_weights(sources, progress=False)
     write_float_weights(folder, progress=False)
+    Decoder.from_dir(folder, role="draft", quantize="int4")  # the model as a draft: its int4 pack
     findings = integrity.verify("tiny-test", progress=False)
-    assert {f.what for f in findings} == {"source", "conversion", "float32", "native"}
+    assert {f.what for f in findings} == {"source", "conversion", "float32", "native", "int4"}
     assert all(f.state is State.OK for f in findings) and len([f for f in findings if f.what == "source"]) == 2
-    cached = cache_path(sources, specdecode_home())
-    native_record = checks.read_sidecar(cached)
-    _zero_middle(cached)
-    _zero_middle(folder / "model.safetensors")
+    cached, int4 = cache_path(sources, specdecode_home()), int4_cache_path(sources, specdecode_home())
+    native_record, int4_record = checks.read_sidecar(cached), checks.read_sidecar(int4)
+    for path in (cached, folder / "model.safetensors", int4):
+        _zero_middle(path)
     assert main(["models", "verify", "tiny-test"]) == 1
     out = capsys.readouterr().out
-    assert out.count("damaged") == 2 and "removed; rebuilt on next use" in out and "2 problem(s)" in out
-    assert not cached.exists() and not (folder / "model.safetensors").exists()
+    assert out.count("damaged") == 3 and "removed; rebuilt on next use" in out and "3 problem(s)" in out
+    assert not cached.exists() and not (folder / "model.safetensors").exists() and not int4.exists()
     native_weights(sources, progress=False)
     write_float_weights(folder, progress=False)
-    assert checks.hash_file(cached) == native_record
+    Decoder.from_dir(folder, role="draft", quantize="int4")
+    assert checks.hash_file(cached) == native_record and checks.hash_file(int4) == int4_record
     assert main(["models", "verify", "tiny-test", "--json"]) == 0
     assert all(f["state"] == "ok" for f in json.loads(capsys.readouterr().out))
 

@@ -178,3 +178,41 @@ def test_fused_forward_bits_do_not_depend_on_the_thread_count(tiny_models):
         torch.set_num_threads(threads)
     for count in (2, 3):
         assert all(torch.equal(a, b) for a, b in zip(out[1], out[count])), count
+
+
+def test_an_int4_draft_from_a_gguf_is_packed_once_then_mapped(tmp_path, monkeypatch, caplog):
+    """The int4 pack of a GGUF draft is cached beside its planes: the same weights as packing
+    afresh, no packing at the next load, and a damaged cache packed again."""
+    from specdecode.models.gguf_convert import convert_gguf
+    from specdecode.models.gguf_planes import GGUFLinear
+    from tests.gguf_blocks import write_model_gguf
+
+    monkeypatch.setenv("SPECDECODE_HOME", str(tmp_path / "home"))
+    write_model_gguf(tmp_path / "d.gguf", {}, hidden=64, inter=96, layers=2)  # 96 inputs: not whole int4 groups
+    folder = convert_gguf(tmp_path / "d.gguf", tmp_path / "d", progress=False)
+    ids = torch.tensor([3, 14, 15, 92, 65])
+
+    def load() -> tuple[Decoder, torch.Tensor]:
+        model = Decoder.from_dir(folder, role="draft", quantize="int4")
+        return model, model.forward(ids, model.new_cache(16))
+
+    first, want = load()
+    [cache] = (tmp_path / "home" / "native").glob("*.int4-v*.safetensors")
+    for w in (first.lm_head, first.layers[0].qkv, first.layers[1].gate_up):
+        fresh = draft_quant.pack_int4(w.int8.dequantize())
+        assert isinstance(w.int8, GGUFLinear)  # calls of many rows run the GGUF weight as shipped
+        assert all(torch.equal(getattr(w, p), getattr(fresh, p)) for p in ("packed", "scales", "offset"))
+    assert isinstance(first.layers[0].down, GGUFLinear)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("packed again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(draft_quant, "pack_int4", refuse)
+        again, got = load()
+    assert torch.equal(got, want)
+
+    cache.write_bytes(cache.read_bytes()[:-100])  # a crash or a full disk: repacked, not read
+    with caplog.at_level("WARNING"):
+        _, repacked = load()
+    assert torch.equal(repacked, want) and "int4 draft cache" in caplog.text

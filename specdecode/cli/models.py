@@ -10,7 +10,8 @@ import json
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     ls = sub.add_parser("list", help="named models: source, size, installed and converted or not, and which "
-                                     "weight forms are cached (native: the GGUF repacked; float32: dequantized)")
+                                     "weight forms are cached (native: the GGUF repacked; int4: packed as a "
+                                     "draft; float32: dequantized)")
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     ls.set_defaults(run=run_list)
     pull = sub.add_parser("pull", help="convert a named model now (it is otherwise converted on first use)")

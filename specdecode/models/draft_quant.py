@@ -120,9 +120,14 @@ def pack_int4(w: Tensor, chunk_rows: int = 8192, many_rows: ManyRows | None = No
 def pack_draft(w: Tensor | GGUFLinear, mode: str) -> DraftWeight:
     """One matrix of a draft in ``mode`` ("int8" or "int4"). Calls of many rows (the prompt's
     prefill) keep float activations: on the GGUF weight as shipped, or per-row int8 weights
-    (fbgemm's one activation scale per call lets one row's outliers blur the rest)."""
+    (fbgemm's one activation scale per call lets one row's outliers blur the rest). A weight
+    already packed for int4 (from the cache ``gguf_load.int4_draft_weights`` keeps) stays as it is."""
+    if isinstance(w, Int4Groups) and mode == "int4":
+        return w
+    if isinstance(w, GGUFLinear) and mode == "int4":  # not whole groups: the GGUF weight as shipped
+        return w if w.shape[1] % INT4_GROUP else pack_int4(w.dequantize(), many_rows=w)
     if isinstance(w, GGUFLinear):
-        return pack_int4(w.dequantize(), many_rows=w) if mode == "int4" else pack_int8(w.dequantize())
+        return pack_int8(w.dequantize())
     return pack_int4(w, many_rows=quantize_rows(w)) if mode == "int4" else pack_int8(w)
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from specdecode.errors import UnsupportedModelError
 from specdecode.files import partial_path, remove_stale_partials, specdecode_home
-from specdecode.models import checks, gguf_convert, gguf_planes
+from specdecode.models import checks, draft_quant, gguf_convert, gguf_planes, kernel_build
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_planes import GGUFLinear, GGUFWeight
 from specdecode.models.watch import WATCH
@@ -30,6 +31,7 @@ from specdecode.models.watch import WATCH
 log = logging.getLogger(__name__)
 
 NativeWeights = dict[str, "Tensor | GGUFWeight"]
+T = TypeVar("T")
 
 
 def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeights:
@@ -38,31 +40,86 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
     whose size (or, after a crash, checksum) differs from its record is repacked."""
     sources = [Path(s) for s in sources]
     cached = gguf_planes.cache_path(sources, specdecode_home())
-    crashed = bool(remove_stale_partials(cached.parent))
     refused = cached.with_suffix(".unsupported")  # remembers why a file cannot run natively
     if refused.is_file():
         raise UnsupportedModelError(refused.read_text())
-    if cached.is_file() and not checks.intact(cached, full=crashed, progress=progress):
-        log.warning(f"specdecode: the repacked cache {cached.name} does not match its recorded size or checksum; "
-                    "repacking")
-        checks.remove_with_sidecar(cached)
-    if not cached.is_file():
+
+    def build(dest: Path, progress: bool) -> None:
         try:
-            _build(sources, cached, progress)
+            _build(sources, dest, progress)
         except UnsupportedModelError as exc:
             if "--quantize none" in str(exc):  # a property of the file, not of this machine
                 refused.write_text(str(exc))
             raise
         _remove_older_versions(sources)
-    try:
-        weights = _read(cached)
-    except Exception as exc:  # noqa: BLE001 - truncated or garbage planes: derived, so repack
-        log.warning(f"specdecode: the repacked cache {cached.name} is damaged ({str(exc)[:80]}); repacking")
+
+    return cached_file(cached, build, _read, "repacked cache", progress)
+
+
+def cached_file(cached: Path, build: Callable[[Path, bool], None], read: Callable[[Path], T], what: str,
+                progress: bool = True) -> T:
+    """``read(cached)`` of a file derived from a model's source (``build(dest, progress)`` writes it
+    with its record, ``checks``): built when absent, rebuilt when its size (or, after a crash, its
+    checksum) differs from its record or it does not read, and watched for damage while mapped
+    (``WATCH``)."""
+    crashed = bool(remove_stale_partials(cached.parent))
+    if cached.is_file() and not checks.intact(cached, full=crashed, progress=progress):
+        log.warning(f"specdecode: the {what} {cached.name} does not match its recorded size or checksum; rebuilding")
         checks.remove_with_sidecar(cached)
-        _build(sources, cached, progress)
-        weights = _read(cached)
-    WATCH.watch(cached, lambda dest: _build(sources, dest, progress=False))  # same-size damage: hashed later
-    return weights
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        build(cached, progress)
+    try:
+        out = read(cached)
+    except Exception as exc:  # noqa: BLE001 - truncated or garbage: derived, so rebuild
+        log.warning(f"specdecode: the {what} {cached.name} is damaged ({str(exc)[:80]}); rebuilding")
+        checks.remove_with_sidecar(cached)
+        build(cached, progress)
+        out = read(cached)
+    WATCH.watch(cached, lambda dest: build(dest, False))  # same-size damage: hashed later
+    return out
+
+
+def int4_draft_weights(packed: dict[str, object], sources: Sequence[Path], progress: bool = True) -> dict[str, object]:
+    """``packed`` (``decoder_weights`` of the GGUF in ``sources``) with each matrix in the int4
+    draft's form (``draft_quant.pack_int4`` of the dequantized GGUF weight, which calls of many rows
+    keep running as shipped). Packing the 0.5B draft takes seconds at every start; so it is done
+    once into ``$SPECDECODE_HOME/native/`` beside the GGUF's planes and memory-mapped after."""
+    cached = gguf_planes.int4_cache_path(sources, specdecode_home())
+    matrices = {name: w for name, w in packed.items() if isinstance(w, GGUFLinear)}
+
+    def build(dest: Path, progress: bool) -> None:
+        packs: list[str] = []
+        gguf_planes.write_atomic(dest, _int4_arrays(matrices, packs, progress),
+                                 lambda: {"int4_pack_version": str(gguf_planes.INT4_PACK_VERSION),
+                                          "packed": json.dumps(packs)})
+
+    def read(path: Path) -> dict[str, object]:
+        kernel = kernel_build.load_int4()
+        out = dict(packed)
+        with safe_open(path, framework="pt") as f:
+            for name in json.loads(f.metadata()["packed"]):
+                out[name] = draft_quant.Int4Groups(f.get_tensor(f"{name}.packed"), f.get_tensor(f"{name}.scales"),
+                                                   f.get_tensor(f"{name}.offset"), matrices[name],
+                                                   kernel.linear_int4 if kernel else None)
+        return out
+
+    return cached_file(cached, build, read, "int4 draft cache", progress)
+
+
+def _int4_arrays(matrices: dict[str, GGUFLinear], packs: list[str], progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) of each matrix's int4 pack, one matrix in memory at a time; the names of those
+    packed go into ``packs`` (a matrix whose inputs are not whole int4 groups stays as shipped)."""
+    from tqdm import tqdm
+
+    for name, w in tqdm(matrices.items(), desc="packing int4 draft", unit="matrix", file=sys.stderr,
+                        disable=not progress):
+        groups = draft_quant.pack_int4(w.dequantize(), many_rows=w)
+        if not isinstance(groups, draft_quant.Int4Groups):
+            continue
+        packs.append(name)
+        for plane in ("packed", "scales", "offset"):
+            yield f"{name}.{plane}", getattr(groups, plane).numpy()
 
 
 def _remove_older_versions(sources: list[Path]) -> None:
@@ -78,7 +135,6 @@ def _remove_older_versions(sources: list[Path]) -> None:
 
 
 def _build(sources: list[Path], cached: Path, progress: bool) -> None:
-    cached.parent.mkdir(parents=True, exist_ok=True)
     joined = partial_path(cached, "joined.gguf")
     try:
         gguf_file = sources[0] if len(sources) == 1 else gguf_convert.join_parts(sources, joined, progress)

