@@ -134,6 +134,9 @@ def test_tiled_layout_holds_every_weight(shape):
     for k in range(0, shape[1], 8):
         got = kernel.linear_int4_tiled(eye[k : k + 8].contiguous(), w.packed, w.scales, w.offset)
         assert torch.equal(got, 127.0 * deq[:, k : k + 8].T), k
+        for rows in (1, 2):  # calls of one or two rows take both halves of a tile in one pass
+            got = kernel.linear_int4_tiled(eye[k : k + rows].contiguous(), w.packed, w.scales, w.offset)
+            assert torch.equal(got, 127.0 * deq[:, k : k + rows].T), (k, rows)
     for n in range(1, draft_quant.INT4_MAX_ROWS + 1):
         x = torch.randn(n, shape[1], generator=gen)
         got = kernel.linear_int4_tiled(x, w.packed, w.scales, w.offset)
@@ -141,6 +144,9 @@ def test_tiled_layout_holds_every_weight(shape):
         # so only float rounding (about 1e-7) apart from it.
         assert _close(got, x @ deq.T, tol=0.02), n
         assert _close(got, kernel.linear_int4(x, w.packed, w.scales, w.offset), tol=1e-5), n
+        # A row's bits do not depend on the rows beside it, whichever pass computes it.
+        assert torch.equal(got[:1], kernel.linear_int4_tiled(x[:1].contiguous(), w.packed, w.scales, w.offset)), n
+        assert torch.equal(got[-2:], kernel.linear_int4_tiled(x[-2:].contiguous(), w.packed, w.scales, w.offset)), n
 
 
 def _weights(model: Decoder, lm_head) -> DecoderWeights:

@@ -345,39 +345,62 @@ inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_
 #else
 constexpr int PARTS = 2;
 constexpr int MAXR = 4;
+// Rows a tile takes both halves of its blocks for in one pass (``tile_parts``): a decode step's one
+// or two rows stream each tile once, its loads going on while it computes, where a pass per half
+// would keep the memory idle through the second (read from L1). One row's body step: 15-16 ms
+// against 18-20 ms (docs/PERFORMANCE.md, "The draft"). Wider calls are compute-bound: a pass per half.
+constexpr int BOTH_PARTS_ROWS = 2;
+
+// Outputs 8 part0 .. 8 (part0 + P) - 1 of one tile for rows r0 .. r0+R-1 (P halves of each block).
+template <int R, int P>
+inline void tile_parts(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int part0, float (*y)[TILE]) {
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(tile);
+    const uint8_t* q = tile + w.scale_bytes + 32 * part0;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 f[P][R];
+    for (int c = 0; c < P; ++c)
+        for (int r = 0; r < R; ++r) f[c][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w.groups; ++g) {
+        __m256i acc[P][R];
+        for (int c = 0; c < P; ++c)
+            for (int r = 0; r < R; ++r) acc[c][r] = _mm256_set1_epi32(a.base[(r0 + r) * a.groups + g]);
+        for (int h = 0; h < 2; ++h) {  // four blocks at a time keep the int16 sums within +-30480
+            __m256i s16[P][R];
+            for (int c = 0; c < P; ++c)
+                for (int r = 0; r < R; ++r) s16[c][r] = _mm256_setzero_si256();
+            for (int b = 4 * h; b < 4 * h + 4; ++b) {
+                const uint8_t* p = q + g * 512 + 64 * b;
+                if (part0 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF), _MM_HINT_T1);
+                __m256i xl[R], xh[R];
+                for (int r = 0; r < R; ++r) {
+                    const int64_t k = g * G + 8 * b;
+                    xl[r] = _mm256_set1_epi32(a.dword(r0 + r, k)), xh[r] = _mm256_set1_epi32(a.dword(r0 + r, k + 4));
+                }
+                for (int c = 0; c < P; ++c) {
+                    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
+                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    for (int r = 0; r < R; ++r)
+                        s16[c][r] = _mm256_add_epi16(s16[c][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[r]),
+                                                                                  _mm256_maddubs_epi16(hi, xh[r])));
+                }
+            }
+            for (int c = 0; c < P; ++c)
+                for (int r = 0; r < R; ++r) acc[c][r] = _mm256_add_epi32(acc[c][r], _mm256_madd_epi16(s16[c][r], ones));
+        }
+        for (int c = 0; c < P; ++c) {
+            const __m256 s = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + g * TILE + 8 * (part0 + c))));
+            for (int r = 0; r < R; ++r) f[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c][r]), s, f[c][r]);
+        }
+    }
+    for (int c = 0; c < P; ++c)
+        for (int r = 0; r < R; ++r)
+            _mm256_storeu_ps(y[r] + 8 * (part0 + c), _mm256_mul_ps(f[c][r], _mm256_set1_ps(a.scale[r0 + r])));
+}
 
 // Outputs 8 part .. 8 part + 7 of one tile for rows r0 .. r0+R-1.
 template <int R>
 inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int part, float (*y)[TILE]) {
-    const uint16_t* sc = reinterpret_cast<const uint16_t*>(tile);
-    const uint8_t* q = tile + w.scale_bytes + 32 * part;
-    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 f[R];
-    for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < w.groups; ++g) {
-        __m256i acc[R];
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_set1_epi32(a.base[(r0 + r) * a.groups + g]);
-        for (int h = 0; h < 2; ++h) {  // four blocks at a time keep the int16 sums within +-30480
-            __m256i s16[R];
-            for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
-            for (int b = 4 * h; b < 4 * h + 4; ++b) {
-                const uint8_t* p = q + g * 512 + 64 * b;
-                if (part == 0) _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF), _MM_HINT_T1);
-                const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                for (int r = 0; r < R; ++r) {
-                    const int64_t k = g * G + 8 * b;
-                    const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a.dword(r0 + r, k)));
-                    const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a.dword(r0 + r, k + 4)));
-                    s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(pl, ph));
-                }
-            }
-            for (int r = 0; r < R; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s16[r], ones));
-        }
-        const __m256 s = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + g * TILE + 8 * part)));
-        for (int r = 0; r < R; ++r) f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, f[r]);
-    }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y[r] + 8 * part, _mm256_mul_ps(f[r], _mm256_set1_ps(a.scale[r0 + r])));
+    tile_parts<R, 1>(w, tile, a, r0, part, y);
 }
 #endif
 
@@ -393,6 +416,12 @@ inline void rows_upto(int64_t rows, const Tiled& w, const uint8_t* tile, const A
 // Tile i of w for every row of a: y[r][o].
 void tile_all_rows(const Tiled& w, int64_t i, const Acts& a, float (*y)[TILE]) {
     const uint8_t* tile = w.data + i * w.tile_bytes;
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+    if (a.n <= BOTH_PARTS_ROWS) {
+        if (a.n == 2) return tile_parts<2, 2>(w, tile, a, 0, 0, y);
+        return tile_parts<1, 2>(w, tile, a, 0, 0, y);
+    }
+#endif
     for (int part = 0; part < PARTS; ++part)
         for (int64_t r0 = 0; r0 < a.n; r0 += MAXR)
             rows_upto<MAXR>(std::min<int64_t>(MAXR, a.n - r0), w, tile, a, r0, part, y + r0);
