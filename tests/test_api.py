@@ -9,6 +9,7 @@ import pytest
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.batch import Batch
+from specdecode.models.decoder import Decoder
 from specdecode.errors import InvalidConfigError
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -26,6 +27,31 @@ def test_events_carry_the_pieces_then_the_whole_output(llm) -> None:
     out = events[-1].output
     assert "".join(e.text for e in events) == out.text
     assert [t for e in events for t in e.token_ids] == out.token_ids and out.stats.completion_tokens == 8
+
+
+def test_the_first_token_arrives_before_any_decode_or_draft_forward(llm, monkeypatch) -> None:
+    """A stream's first token is the prefill's: it is delivered when the prefill ends, not after
+    the next step's draft-model catch-up on the whole prompt, its drafts and their verification."""
+    calls: list[str] = []
+    depth = [0]
+    for name in ("forward", "forward_batch"):  # either may call the other: count the outer call
+        real = getattr(Decoder, name)
+
+        def counted(self, *args, _real=real, **kwargs):
+            if not depth[0]:
+                calls.append("target" if self is llm.target else "draft")
+            depth[0] += 1
+            try:
+                return _real(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        monkeypatch.setattr(Decoder, name, counted)
+    events = llm.events("hello " * 20, PARAMS)
+    first = next(events)
+    assert first.token_ids and calls == ["target"]  # the prefill alone
+    rest = list(events)
+    assert "draft" in calls and rest[-1].output.token_ids[:1] == first.token_ids
 
 
 def test_token_ids_and_text_give_the_same_output(llm) -> None:

@@ -2,8 +2,9 @@
 its requests through a ``Batch``; a solo request is a batch of one.
 
 One ``step()``: run the next prefill chunk of the oldest request still prefilling (a long prompt
-delays the others by one chunk, never by its whole prefill); ask the speculation policy for each
-decoding request's draft length; draft for all of them at once (``drafting.py``: requests on one
+delays the others by one chunk, never by its whole prefill; a request whose prefill ends gets its
+first token now and decodes from the next step); ask the speculation policy for each decoding
+request's draft length; draft for all of them at once (``drafting.py``: requests on one
 draft model share its forwards, whatever drafter wraps it); verify every request's drafts in ONE
 target forward (``Decoder.forward_batch``: the rows share each pass over the weights, which is
 what a decode step costs on a CPU; acceptance stays ragged per request); commit; report the
@@ -122,6 +123,11 @@ class Batch:
             for m in list(self.members):
                 self._leave(m, out, exc)
             return out
+        # A request whose prefill ends this step decodes from the next one: its first token (the
+        # prefill's) is delivered as soon as the prefill ends, not after a decode forward and, for
+        # a draft model, its catch-up on the whole prompt (up to a second on a 2-core CPU). The
+        # work is the same, one step later.
+        starting = {m for m in self.members if not m.ready}
         prefilling = [m for m in self.members if m.prefilling]
         if prefilling:
             if record is not None:
@@ -129,7 +135,7 @@ class Batch:
             self._prefill_chunk(prefilling[0], out)
             if record is not None:
                 record.prefill_s = time.perf_counter() - t0
-        decoding = [m for m in self.members if m.ready]
+        decoding = [m for m in self.members if m.ready and m not in starting]
         if decoding:
             self._decode(decoding, len(self.members), out, record)
         if record is not None and (prefilling or decoding):
