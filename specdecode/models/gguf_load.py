@@ -53,18 +53,19 @@ def native_weights(sources: Sequence[Path], progress: bool = True) -> NativeWeig
             raise
         _remove_older_versions(sources)
 
-    return cached_file(cached, build, _read, "repacked cache", progress)
+    return cached_file(cached, build, _read, ("repacked cache", "repacking"), progress)
 
 
-def cached_file(cached: Path, build: Callable[[Path, bool], None], read: Callable[[Path], T], what: str,
-                progress: bool = True) -> T:
+def cached_file(cached: Path, build: Callable[[Path, bool], None], read: Callable[[Path], T],
+                what: tuple[str, str], progress: bool = True) -> T:
     """``read(cached)`` of a file derived from a model's source (``build(dest, progress)`` writes it
     with its record, ``checks``): built when absent, rebuilt when its size (or, after a crash, its
     checksum) differs from its record or it does not read, and watched for damage while mapped
-    (``WATCH``)."""
+    (``WATCH``). ``what``: the file's name and the word for rebuilding it, for the warnings."""
+    name, redo = what
     crashed = bool(remove_stale_partials(cached.parent))
     if cached.is_file() and not checks.intact(cached, full=crashed, progress=progress):
-        log.warning(f"specdecode: the {what} {cached.name} does not match its recorded size or checksum; rebuilding")
+        log.warning(f"specdecode: the {name} {cached.name} does not match its recorded size or checksum; {redo}")
         checks.remove_with_sidecar(cached)
     if not cached.is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +73,7 @@ def cached_file(cached: Path, build: Callable[[Path, bool], None], read: Callabl
     try:
         out = read(cached)
     except Exception as exc:  # noqa: BLE001 - truncated or garbage: derived, so rebuild
-        log.warning(f"specdecode: the {what} {cached.name} is damaged ({str(exc)[:80]}); rebuilding")
+        log.warning(f"specdecode: the {name} {cached.name} is damaged ({str(exc)[:80]}); {redo}")
         checks.remove_with_sidecar(cached)
         build(cached, progress)
         out = read(cached)
@@ -104,7 +105,7 @@ def int4_draft_weights(packed: dict[str, object], sources: Sequence[Path], progr
                                                    kernel.linear_int4 if kernel else None)
         return out
 
-    return cached_file(cached, build, read, "int4 draft cache", progress)
+    return cached_file(cached, build, read, ("int4 draft cache", "packing it again"), progress)
 
 
 def _int4_arrays(matrices: dict[str, GGUFLinear], packs: list[str], progress: bool) -> Iterator[tuple[str, np.ndarray]]:
