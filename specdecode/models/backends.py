@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from specdecode.errors import InvalidConfigError
+from specdecode.errors import InvalidConfigError, UnsupportedModelError
 from specdecode.models import draft_quant, gguf_forward, kernel_build, kernels
 from specdecode.models.attend import Attend, attend_blocked, attend_fast, attend_rows
 from specdecode.models.config import ModelConfig
@@ -96,11 +96,17 @@ class Backend(ABC):
 
 
 class TorchLayers(Backend):
-    """A layer's steps around its matrix products as torch ops, and attention blocked over keys
-    (a target's) or one fused SDPA call (a draft's), around any ``linear``."""
+    """A layer's steps around its matrix products as torch ops, and attention (a target's:
+    ``attend_rows`` where the native kernels run on float32, else blocked over keys) or one fused
+    SDPA call (a draft's), around any ``linear``."""
 
-    def __init__(self, role: Role, eps: float, linear: kernels.LinearKernel) -> None:
-        super().__init__(role, linear, attend_blocked, chain_keys=True)
+    def __init__(self, role: Role, eps: float, linear: kernels.LinearKernel, native_attend: bool = False) -> None:
+        """``native_attend``: the row-wise native attention, which costs one call per layer where
+        the blocked form's dozen small ops per layer are most of a small model's step."""
+        if native_attend:
+            super().__init__(role, linear, attend_rows, chain_keys=False)
+        else:
+            super().__init__(role, linear, attend_blocked, chain_keys=True)
         self.rms_norm = kernels.rms_norm if role == "target" else kernels.rms_norm_fast
         self.eps = eps
 
@@ -130,20 +136,34 @@ class FloatBackend(TorchLayers):
     or for a draft plain ``F.linear``."""
 
     def __init__(self, role: Role, eps: float, dtype: torch.dtype, use_native: bool | None) -> None:
-        if use_native is not False and dtype == torch.float32 and kernel_build.load() is not None:
+        native = use_native is not False and dtype == torch.float32 and kernel_build.load() is not None
+        if native:
             linear = kernels.LinearKernel(kernels.linear_invariant, invariant=True)
         elif role == "target":
             linear = kernels.LinearKernel(kernels.linear_invariant_portable, invariant=True)
         else:
             linear = kernels.LinearKernel(kernels.linear_fast, invariant=False)
-        super().__init__(role, eps, linear)
+        super().__init__(role, eps, linear, native_attend=native and _native_attention())
+
+
+def _native_attention() -> bool:
+    """Whether a float32 target's attention runs natively: the native kernels are on (not
+    ``SPECDECODE_NATIVE=0``) and the row-wise attention builds; else the blocked torch form."""
+    if kernel_build.load() is None:
+        return False
+    try:
+        kernel_build.load_attention()
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 class Int8RowsBackend(TorchLayers):
     """A target in per-row int8 with float activations (``int8_rows.py``): rows stay invariant."""
 
     def __init__(self, eps: float) -> None:
-        super().__init__("target", eps, kernels.LinearKernel(kernels.linear_int8_invariant, invariant=True))
+        super().__init__("target", eps, kernels.LinearKernel(kernels.linear_int8_invariant, invariant=True),
+                         native_attend=_native_attention())
 
     @staticmethod
     def convert(weights: DecoderWeights) -> DecoderWeights:

@@ -73,7 +73,7 @@ def model_identity(decoder: Decoder, model_dir: Path, quantize: str | None) -> d
     hand for every file (pip records the catalog parts', nothing records a user's folder); size and
     mtime are what the packed and native weight caches are keyed by already, so a file they would
     reuse is one this accepts. Names, not paths: a folder moved with its files keeps its prefixes.
-    Numerics: dtype, quantization, the backend class, and ``numerics_identity``."""
+    Numerics: dtype, quantization, the backend class and its attention, and ``numerics_identity``."""
     from specdecode.errors import UnsupportedModelError
     from specdecode.models.config import config_fingerprint
     from specdecode.models.gguf_convert import gguf_sources
@@ -85,7 +85,8 @@ def model_identity(decoder: Decoder, model_dir: Path, quantize: str | None) -> d
         files = sorted(model_dir.glob("*.safetensors"))
     weights = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     return {"config": config_fingerprint(model_dir), "weights": weights, "dtype": str(decoder.dtype),
-            "quantize": quantize or "none", "backend": type(decoder.backend).__name__, **numerics_identity()}
+            "quantize": quantize or "none", "backend": type(decoder.backend).__name__,
+            "attention": decoder.backend.attend.__name__, **numerics_identity()}
 
 
 @functools.cache
