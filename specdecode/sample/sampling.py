@@ -120,7 +120,10 @@ def _keep_mask(flat: Tensor, top_k: int, top_p: float, candidates: int) -> Tenso
     threshold = vals[:, -1:]  # [N, 1]
     # The candidates are the first m of the stable sort iff no token outside ties with the m-th
     # (ties at -inf do not matter: those tokens get probability 0 anyway).
-    exact = ((flat >= threshold).sum(-1) == m) | (threshold.squeeze(-1) == float("-inf"))  # [N]
+    at_or_above = flat >= threshold  # [N, V]
+    exact = (at_or_above.sum(-1) == m) | (threshold.squeeze(-1) == float("-inf"))  # [N]
+    if top_p >= 1.0 and bool(exact.all()):  # top-k alone: the tokens at or above the m-th are the m
+        return at_or_above  # (or, where it is -inf, tokens of probability 0 besides)
     # Put the candidates into stable order: by id, then stably by value, descending.
     ids_asc, perm = ids.sort(-1)
     vals_st, order = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
