@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from specdecode import LLM, Constraint, SamplingParams
 from specdecode.sequence import SequenceState
 from specdecode.drafters.eagle import EagleDrafter
+from specdecode.engine.generation import GenerationOutput
 from specdecode.errors import CheckpointError, HeadMismatchError, InvalidConfigError, UnsupportedModelError
 from specdecode.heads.eagle3 import Eagle3Config, Eagle3Head, default_hidden_layers
 from specdecode.heads.eagle3_format import load_eagle3, save_eagle3
@@ -62,6 +65,12 @@ def llms(target_dir, head_dir) -> dict[int, LLM]:
     """By tree width (0: chain)."""
     return {w: LLM(model=str(target_dir), eagle_head=str(head_dir), max_seq_len=512, progress=False,
                    head_tree_width=w) for w in (0, 3)}
+
+
+@pytest.fixture(scope="module")
+def plain(llms) -> Callable[[int, int], GenerationOutput]:
+    """Plain greedy decoding of ``_prompt(seed)`` by ``llms[tree_width]``, once each."""
+    return functools.cache(lambda width, seed: llms[width].generate(_prompt(seed), _greedy(), method="none")[0])
 
 
 def test_head_shapes_follow_the_target():
@@ -158,13 +167,11 @@ def test_drafting_computes_what_training_computes(target_dir):
 
 @pytest.mark.parametrize("tree_width", [0, 3], ids=["chain", "tree"])
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_identity(llms, k, tree_width):
+def test_greedy_identity(llms, plain, k, tree_width):
     llm, drafted = llms[tree_width], 0
     for seed in range(6):
-        prompt = _prompt(seed)
-        plain = llm.generate(prompt, _greedy(), method="none")[0]
-        spec = llm.generate(prompt, _greedy(), method="eagle", num_speculative_tokens=k)[0]
-        assert spec.token_ids == plain.token_ids, (k, tree_width, seed)
+        spec = llm.generate(_prompt(seed), _greedy(), method="eagle", num_speculative_tokens=k)[0]
+        assert spec.token_ids == plain(tree_width, seed).token_ids, (k, tree_width, seed)
         drafted += spec.stats.draft_tokens
     assert drafted > 0
 

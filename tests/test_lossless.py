@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
+from specdecode.engine.generation import GenerationOutput
 from tests.conftest import spec_k
 from tests.methods import SPEC_METHODS, RandomK
 
@@ -29,6 +32,12 @@ def llm(tiny_pair, tiny_pair_heads):
 
 
 @pytest.fixture(scope="module")
+def plain(llm) -> Callable[[int], GenerationOutput]:
+    """Plain greedy decoding of ``_prompt(seed)``: every method's baseline, decoded once per seed."""
+    return functools.cache(lambda seed: llm.generate(_prompt(seed), _greedy(), method="none")[0])
+
+
+@pytest.fixture(scope="module")
 def self_draft_llm(tiny_pair):
     target, _ = tiny_pair
     return LLM(model=str(target), draft=str(target), max_seq_len=512, progress=False,
@@ -41,30 +50,28 @@ def _greedy(n: int = 40) -> SamplingParams:
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("method", SPEC_METHODS)
-def test_greedy_identity(llm, method, k):
+def test_greedy_identity(llm, plain, method, k):
     drafted = 0
     for seed in SEEDS:
         prompt = _prompt(seed)
-        plain = llm.generate(prompt, _greedy(), method="none")[0]
         # The policy's K (which may be 0 where drafts cannot pay), then K every step.
         for adaptive in (True, False):
             spec = llm.generate(prompt, _greedy(), method=method, num_speculative_tokens=k, adaptive=adaptive)[0]
-            assert spec.token_ids == plain.token_ids, (method, k, seed, adaptive)
-            assert spec.text == plain.text
+            assert spec.token_ids == plain(seed).token_ids, (method, k, seed, adaptive)
+            assert spec.text == plain(seed).text
             drafted += spec.stats.draft_tokens
             assert spec.stats.accepted_tokens <= spec.stats.draft_tokens
     assert drafted > 0, "the drafter never proposed anything: the test would prove nothing"
 
 
 @pytest.mark.parametrize("method", SPEC_METHODS)
-def test_greedy_identity_while_k_and_source_change_every_step(llm, method, monkeypatch):
+def test_greedy_identity_while_k_and_source_change_every_step(llm, plain, method, monkeypatch):
     """K (0 included) and the draft source drawn at random each step: the output never moves."""
     monkeypatch.setattr(llm.engine, "policy", RandomK(seed=len(method)))
     drafted = plain_steps = 0
     for seed in SEEDS:
-        plain = llm.generate(_prompt(seed), _greedy(), method="none")[0]
         spec = llm.generate(_prompt(seed), _greedy(), method=method, num_speculative_tokens=6)[0]
-        assert spec.token_ids == plain.token_ids, (method, seed)
+        assert spec.token_ids == plain(seed).token_ids, (method, seed)
         drafted += spec.stats.draft_tokens
         plain_steps += spec.stats.plain_steps
     assert drafted > 0
@@ -98,17 +105,20 @@ def int8_llm(tiny_pair, tiny_pair_heads):
                **tiny_pair_heads)
 
 
+@pytest.fixture(scope="module")
+def int8_plain(int8_llm) -> Callable[[int], GenerationOutput]:
+    return functools.cache(lambda seed: int8_llm.generate(_prompt(seed), _greedy(), method="none")[0])
+
+
 @pytest.mark.parametrize("method", SPEC_METHODS)
-def test_greedy_identity_with_an_int8_target(int8_llm, llm, method):
+def test_greedy_identity_with_an_int8_target(int8_llm, int8_plain, plain, method):
     """With ``quantize="int8"`` every method reproduces the int8 target's own plain decoding,
     which is a slightly different model from the float one."""
     differs = 0
     for seed in SEEDS:
-        prompt = _prompt(seed)
-        plain = int8_llm.generate(prompt, _greedy(), method="none")[0]
-        spec = int8_llm.generate(prompt, _greedy(), method=method, num_speculative_tokens=4)[0]
-        assert spec.token_ids == plain.token_ids, (method, seed)
-        differs += plain.token_ids != llm.generate(prompt, _greedy(), method="none")[0].token_ids
+        spec = int8_llm.generate(_prompt(seed), _greedy(), method=method, num_speculative_tokens=4)[0]
+        assert spec.token_ids == int8_plain(seed).token_ids, (method, seed)
+        differs += int8_plain(seed).token_ids != plain(seed).token_ids
     assert int8_llm.target.layers[0].qkv.q.dtype == torch.int8
     assert differs > 0, "the int8 target decoded exactly like the float one: was it quantized?"
 
@@ -222,15 +232,13 @@ def test_draft_length_out_of_range_is_refused(llm):
 
 
 @pytest.mark.parametrize("window, ngram, candidates", [(1, 2, 1), (6, 4, 5), (3, 5, 0)])
-def test_lookahead_settings_keep_identity(llm, window, ngram, candidates):
+def test_lookahead_settings_keep_identity(llm, plain, window, ngram, candidates):
     from specdecode.drafters.lookahead import LookaheadDrafter
 
     drafter = LookaheadDrafter(window, ngram, candidates)
     for seed in SEEDS:
-        ids = llm.tokenizer.encode(_prompt(seed))
-        plain = llm.engine.generate(ids, _greedy())
-        out = llm.engine.generate(ids, _greedy(), drafter, spec_k(8))
-        assert out.token_ids == plain.token_ids, (window, ngram, candidates, seed)
+        out = llm.engine.generate(llm.tokenizer.encode(_prompt(seed)), _greedy(), drafter, spec_k(8))
+        assert out.token_ids == plain(seed).token_ids, (window, ngram, candidates, seed)
         assert out.stats.draft_tokens > 0
 
 

@@ -65,12 +65,16 @@ def test_smollm2_native_logits_near_transformers(smol, real_home):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.fixture(scope="module")
+def smol_plain(smol):
+    return {p: smol.generate(p, SamplingParams(max_tokens=48, temperature=0.0), method="none")[0] for p in SMOL_PROMPTS}
+
+
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_smollm2_ngram_greedy_identity(smol, k):
+def test_smollm2_ngram_greedy_identity(smol, smol_plain, k):
     params = SamplingParams(max_tokens=48, temperature=0.0)
     accepted = 0
-    for prompt in SMOL_PROMPTS:
-        plain = smol.generate(prompt, params, method="none")[0]
+    for prompt, plain in smol_plain.items():
         spec = smol.generate(prompt, params, method="ngram", num_speculative_tokens=k)[0]
         assert spec.token_ids == plain.token_ids, prompt
         accepted += spec.stats.accepted_tokens
