@@ -119,6 +119,18 @@ def test_a_file_for_other_weights_or_another_dtype_is_refused(tiny_pair, saved, 
         assert len(llm.engine.caches) == 0
 
 
+def test_the_identity_names_the_targets_attention(tiny_pair):
+    """A float32 target attends natively (``attend_rows``) where the kernels build, else in torch
+    blocks: other bits from the same weights, so a file made under one is not restored under the other."""
+    from specdecode.models.attend import attend_blocked
+
+    llm = LLM(model=str(tiny_pair[0]), max_seq_len=64, progress=False)
+    assert llm.target.backend.attend.__name__ == "attend_rows"
+    native = prefix_file.model_identity(llm.target, tiny_pair[0], None)
+    llm.target.backend.attend = attend_blocked
+    assert prefix_file.model_identity(llm.target, tiny_pair[0], None) == {**native, "attention": "attend_blocked"}
+
+
 def test_a_draft_part_for_another_draft_is_skipped_and_the_target_part_restored(tiny_pair, saved, tmp_path,
                                                                                  caplog):
     other = make_tiny_llm(tmp_path / "draft2", "qwen2", seed=12, tie_word_embeddings=False)
