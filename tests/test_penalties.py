@@ -28,7 +28,7 @@ from specdecode.server.scheduler import Scheduler
 from tests.conftest import spec_k
 from tests.test_lossless import _prompt
 from tests.methods import SPEC_METHODS, RandomK
-from tests.test_sampling_lossless import _prompt_with_likely_continuations, chi2_critical, sampled_outputs
+from tests.test_sampling_lossless import TRIALS, _prompt_with_likely_continuations, chi2_critical, sampled_outputs
 
 A, B, C = ord("a"), ord("b"), ord("c")  # byte tokens of the tiny tokenizer
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.3, logit_bias={A: 3.0})
@@ -258,7 +258,7 @@ def test_sampled_law_with_penalties_is_exact(llm):
     free = _exact_joint(llm, ids, SamplingParams(max_tokens=3, temperature=1.0, top_k=3), depth=3)
     assert len(exact) == 27 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
     assert sum(abs(exact.get(c, 0.0) - free.get(c, 0.0)) for c in exact.keys() | free.keys()) > 0.2
-    trials, counts, drafted, accepted = 1500, Counter(), 0, 0
+    trials, counts, drafted, accepted = TRIALS, Counter(), 0, 0
     params = SamplingParams(max_tokens=4, **settings)
     for out in sampled_outputs(llm, ids, params, lambda: llm.new_drafter("draft_model"), spec_k(2, adaptive=False),
                                trials):

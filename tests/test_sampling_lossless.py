@@ -25,7 +25,8 @@ from specdecode.sample.sampling import logits_to_probs
 from tests.conftest import spec_k
 from tests.methods import SPEC_METHODS, RandomK
 
-TRIALS = 1500
+# Samples per law test; ``test_the_law_test_fails_a_lossy_verify`` measures what it catches.
+TRIALS = 1000
 BATCH_SIZES = (1, 3, 16, 40)  # samples decoded together, in turn
 
 
@@ -126,6 +127,23 @@ def test_first_tokens_follow_the_exact_target_distribution(tiny_pair, tiny_pair_
     llm.engine.policy = RandomK(seed=1)
     ids = _prompt_with_likely_continuations(llm, SamplingParams(max_tokens=3, temperature=1.0, top_k=3))
     assert_sampled_joint_is_exact(llm, ids, lambda: llm.new_drafter(method), adaptive=True)
+
+
+def test_the_law_test_fails_a_lossy_verify(tiny_pair, monkeypatch):
+    """The harness's power at ``TRIALS``: a verify racing on the target's probabilities cubed (a
+    sampling temperature of 1/3) must fail it. The tiny target's top three are near uniform, so
+    milder errors pass: one race key per step for all its rows gave chi2 30.5 on 27 cells, below
+    the bound. Subtle errors of the rule are test_acceptance.py's to catch (a Markov chain with
+    its own power check); these tests guard how the engine wires the rule."""
+    from specdecode.sample import verify as verify_module
+
+    race = verify_module.race_scores
+    monkeypatch.setattr(verify_module, "race_scores", lambda probs, keys: race(probs ** 3, keys))
+    target, draft = tiny_pair
+    llm = LLM(model=str(target), draft=str(draft), max_seq_len=300, progress=False)
+    ids = _prompt_with_likely_continuations(llm, SamplingParams(max_tokens=3, temperature=1.0, top_k=3))
+    with pytest.raises(AssertionError, match="chi2"):
+        assert_sampled_joint_is_exact(llm, ids, lambda: llm.new_drafter("draft_model"))
 
 
 def test_same_seed_same_sample(tiny_pair):

@@ -22,7 +22,7 @@ from specdecode.sample.grammar import _unpack
 from specdecode.sample.sampling import logits_to_probs
 from tests.conftest import EOS_ID, TINY_VOCAB, spec_k
 from tests.methods import SPEC_METHODS
-from tests.test_sampling_lossless import chi2_critical, sampled_outputs
+from tests.test_sampling_lossless import TRIALS, chi2_critical, sampled_outputs
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -194,7 +194,7 @@ def test_sampled_law_under_a_mask_is_exact(llm, method):
             mass *= float(probs[letters.index(cell[i])] / probs.sum())
         exact[cell] = mass
     assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-6)
-    trials, counts, drafted, accepted = 1500, Counter(), 0, 0
+    trials, counts, drafted, accepted = TRIALS, Counter(), 0, 0
     forbidden = next(t for t in range(256) if t not in letters and llm.tokenizer.decode([t]).isalpha())
     unguided = _UnguidedSampler(letters + [forbidden])  # holds no request's state
     new_drafter = (lambda: unguided) if method == "unguided" else (lambda: llm.new_drafter(method))
