@@ -97,8 +97,8 @@ class Backend(ABC):
 
 class TorchLayers(Backend):
     """A layer's steps around its matrix products as torch ops, and attention (a target's:
-    ``attend_rows`` where the native kernels run on float32, else blocked over keys) or one fused
-    SDPA call (a draft's), around any ``linear``."""
+    ``attend_rows`` where the native kernels run, for float32 and int8 targets, else blocked over
+    keys) or one fused SDPA call (a draft's), around any ``linear``."""
 
     def __init__(self, role: Role, eps: float, linear: kernels.LinearKernel, native_attend: bool = False) -> None:
         """``native_attend``: the row-wise native attention, which costs one call per layer where
