@@ -23,6 +23,7 @@ from specdecode.models.cache import KVCache
 from specdecode.models.prefix_cache import PrefixCache
 from tests.conftest import make_tiny_llm
 from tests.server_support import wait_until
+from tests.test_cli import run_cli
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 DOCUMENT = "system: you answer from this document. def f(x): return x * 2  # doc\n" * 3
@@ -228,8 +229,7 @@ def test_generate_twice_with_a_prefix_cache_file_skips_the_second_prefill(tiny_p
 
 
 def test_serve_refuses_a_prefix_cache_file_without_the_cache():
-    res = subprocess.run([sys.executable, "-m", "specdecode.cli", "serve", "--model", "unused", "--no-prefix-cache",
-                          "--prefix-cache-file", "x.safetensors"], capture_output=True, text=True, timeout=120)
+    res = run_cli("serve", "--model", "unused", "--no-prefix-cache", "--prefix-cache-file", "x.safetensors")
     assert res.returncode == 2 and "drop --no-prefix-cache" in res.stderr
 
 

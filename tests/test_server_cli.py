@@ -17,6 +17,7 @@ from specdecode.bench.workloads import load_workloads, parse_workload_names
 from specdecode.server import loadtest
 from specdecode.server.app import create_app
 from specdecode.server.scheduler import Scheduler
+from tests.test_cli import run_cli
 
 
 def free_port() -> int:
@@ -25,9 +26,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Flag checks that end before a server starts run in this process (``run_cli``); the rest start
+# real servers, where signals and exits matter.
 def test_serve_help_lists_the_issue_flags():
-    res = subprocess.run([sys.executable, "-m", "specdecode.cli", "serve", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    res = run_cli("serve", "--help")
     assert res.returncode == 0
     for flag in ("--model", "--draft", "--method", "-k", "--host", "--port", "--api-key", "--max-concurrency",
                  "--max-queue", "--max-seq-len", "--draft-quantize", "--served-model-name", "--allowed-hosts",
@@ -39,8 +41,7 @@ def test_serve_busy_port_is_one_line_exit_2():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        res = subprocess.run([sys.executable, "-m", "specdecode.cli", "serve", "--model", "unused",
-                              "--port", str(taken.getsockname()[1])], capture_output=True, text=True, timeout=120)
+        res = run_cli("serve", "--model", "unused", "--port", str(taken.getsockname()[1]))
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert "cannot listen" in res.stderr
@@ -52,8 +53,7 @@ def test_serve_busy_port_is_one_line_exit_2():
     (["--metrics-public"], "applies with --api-key"),
 ])
 def test_serve_refuses_keys_no_client_can_send(args, message):
-    res = subprocess.run([sys.executable, "-m", "specdecode.cli", "serve", "--model", "unused", *args],
-                         capture_output=True, text=True, timeout=120)
+    res = run_cli("serve", "--model", "unused", *args)
     assert res.returncode == 2 and message in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
