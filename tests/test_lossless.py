@@ -48,7 +48,7 @@ def _greedy(n: int = 40) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 4, 8])  # the policy chooses the Ks between them
 @pytest.mark.parametrize("method", SPEC_METHODS)
 def test_greedy_identity(llm, plain, method, k):
     drafted = 0

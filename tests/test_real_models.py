@@ -70,7 +70,7 @@ def smol_plain(smol):
     return {p: smol.generate(p, SamplingParams(max_tokens=48, temperature=0.0), method="none")[0] for p in SMOL_PROMPTS}
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 4, 8])  # the policy chooses the Ks between them
 def test_smollm2_ngram_greedy_identity(smol, smol_plain, k):
     params = SamplingParams(max_tokens=48, temperature=0.0)
     accepted = 0
@@ -98,7 +98,7 @@ def pair_plain(pair):
     return {p: pair.chat([{"role": "user", "content": p}], params, method="none") for p in PAIR_PROMPTS}
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 4, 8])  # the policy chooses the Ks between them
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_default_pair_greedy_identity(pair, pair_plain, method, k):
     params = SamplingParams(max_tokens=32, temperature=0.0)

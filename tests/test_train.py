@@ -38,7 +38,7 @@ def greedy_examples(llm: LLM, layers, count: int, seed: int = 0) -> list[Example
     """The target's own greedy continuations of random byte prompts, captured."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (8,), generator=g).tolist() for _ in range(count)]
-    answers = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True), method="none", max_batch=32)
+    answers = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True), method="none", max_batch=200)
     return [capture(llm.target, TrainingSequence(prompt + answer.token_ids, len(prompt)), layers)
             for prompt, answer in zip(prompts, answers)]
 
