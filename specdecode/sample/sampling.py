@@ -121,9 +121,10 @@ def _keep_mask(flat: Tensor, top_k: int, top_p: float, candidates: int) -> Tenso
     # The candidates are the first m of the stable sort iff no token outside ties with the m-th
     # (ties at -inf do not matter: those tokens get probability 0 anyway).
     at_or_above = flat >= threshold  # [N, V]
-    exact = (at_or_above.sum(-1) == m) | (threshold.squeeze(-1) == float("-inf"))  # [N]
-    if top_p >= 1.0 and bool(exact.all()):  # top-k alone: the tokens at or above the m-th are the m
-        return at_or_above  # (or, where it is -inf, tokens of probability 0 besides)
+    untied = at_or_above.sum(-1) == m  # [N]
+    if top_p >= 1.0 and bool(untied.all()):  # top-k alone: the m tokens at or above the m-th
+        return at_or_above
+    exact = untied | (threshold.squeeze(-1) == float("-inf"))  # [N]
     # Put the candidates into stable order: by id, then stably by value, descending.
     ids_asc, perm = ids.sort(-1)
     vals_st, order = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
