@@ -33,6 +33,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "attention.h"
@@ -70,6 +71,22 @@ inline int kperm(bool q4, int p) {
     return 128 * G + 32 * (k & 3) + 16 * (k >> 2) + 4 * i + t;
 }
 
+// Storage aligned to a cache line, for the activations: a tile's 32-byte loads of them then never
+// straddle two lines, as half of them do when glibc's malloc (16-byte aligned) hands back a buffer
+// 16 bytes off. Which a call got depended on the allocator's history, so a verify's cost varied
+// with it (docs/GGUF_NATIVE.md, "Verify rows").
+template <class T>
+struct Aligned64 {
+    using value_type = T;
+    Aligned64() = default;
+    template <class U>
+    Aligned64(const Aligned64<U>&) {}
+    T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+    void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+    template <class U>
+    bool operator==(const Aligned64<U>&) const { return true; }
+};
+
 // Quantized activations of n rows in blocks of ``block`` inputs: int8 values in [-127, 127], one
 // float scale per block, and integer sums per 16 inputs (k-quants) or per block (32-blocks). The
 // SIMD builds also keep the 256-blocks block-major, so that one block of consecutive rows is
@@ -82,7 +99,7 @@ inline int kperm(bool q4, int p) {
 // gives 8 rows' pairs (ns = n + 8).
 struct Acts {
     int64_t n = 0, in = 0, block = 0, nb = 0, sums = 0, ns = 0;
-    std::vector<int8_t> q, kq[2];
+    std::vector<int8_t, Aligned64<int8_t>> q, kq[2];
     std::vector<float> d, kd;
     std::vector<int16_t> bs, kbs, kbt;
     const int8_t* row(int64_t r) const { return q.data() + r * in; }
@@ -693,8 +710,11 @@ inline void tile_32(const Part& w, const Acts& a, int64_t j, int64_t r0, __m256*
     }
 }
 
+// A function of its own for each (type, rows), registers allocated for it alone: left to the
+// inliner, the tiles of 10 to 15 rows were inlined into their caller in one build and not in
+// another, and took 1.3-1.7x as long where they were (docs/GGUF_NATIVE.md, "Verify rows").
 template <int T, int R>
-void tile(const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t ystride, int64_t col) {
+[[gnu::noinline]] void tile(const Part& w, const Acts& a, int64_t j, int64_t r0, float* y, int64_t ystride, int64_t col) {
     __m256 f[R];
     float macc[R] = {};
     for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
