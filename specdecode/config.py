@@ -9,9 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specdecode.drafters.lookahead import LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW
 from specdecode.drafters.registry import METHOD_NAMES
-from specdecode.drafters.ngram import NGRAM_MAX, NGRAM_MIN
 from specdecode.errors import InvalidConfigError
 from specdecode.models.config import DRAFT_MODES, DTYPES
 from specdecode.params import MAX_SPECULATIVE_TOKENS
@@ -38,6 +36,10 @@ DEFAULT_DTYPE = "float32"
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTS = {DEFAULT_MODEL: "qwen2.5-coder-0.5b-instruct"}  # the draft a method uses unless told
 DEFAULT_MAX_SEQ_LEN = 4096  # context allocated per sequence
+NGRAM_MIN, NGRAM_MAX = 1, 4  # the default n-gram lengths (also vLLM's prompt lookup in an export)
+# Lookahead: at most 4 * 2 window rows + 3 * 2 candidate rows, kept few because every verify row
+# costs compute on a CPU (docs/PERFORMANCE.md).
+LOOKAHEAD_WINDOW, LOOKAHEAD_NGRAM, LOOKAHEAD_CANDIDATES = 4, 3, 3
 
 
 def default_method(model: str, draft: str | None) -> str:

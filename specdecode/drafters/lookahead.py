@@ -28,14 +28,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from specdecode.config import LOOKAHEAD_CANDIDATES, LOOKAHEAD_NGRAM, LOOKAHEAD_WINDOW
 from specdecode.drafters.base import Drafter
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 from specdecode.drafters.tree import TokenTrie
 from specdecode.errors import InvalidConfigError
 
-# Lookahead: at most 4 * 2 window rows + 3 * 2 candidate rows, kept few because every verify row
-# costs compute on a CPU (docs/PERFORMANCE.md).
-LOOKAHEAD_WINDOW, LOOKAHEAD_NGRAM, LOOKAHEAD_CANDIDATES = 4, 3, 3
 
 MAX_POOL_PER_TOKEN = 8  # n-grams kept per first token, most recent first
 

@@ -19,13 +19,13 @@ from typing import ClassVar
 
 import torch
 
+from specdecode.config import NGRAM_MAX, NGRAM_MIN
 from specdecode.drafters.base import Drafter, DraftSource, copy_source
 from specdecode.drafters.suffix import COPY_ACCEPTANCE, match_bucket
 from specdecode.params import MAX_SPECULATIVE_TOKENS
 from specdecode.sequence import EMPTY_PROPOSAL, DraftProposal, SequenceState
 
 MAX_OCCURRENCES = 4  # positions kept per n-gram: the earliest and the next few
-NGRAM_MIN, NGRAM_MAX = 1, 4  # the default n-gram lengths (SpecConfig's, and vLLM's prompt lookup in an export)
 
 
 class NgramDrafter(Drafter):

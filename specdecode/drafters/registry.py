@@ -12,22 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdecode.drafters.base import Drafter
-from specdecode.drafters.combined import CombinedDrafter
-from specdecode.drafters.cross_vocab import CrossVocabDrafter
-from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.models.prefix_cache import PrefixCache
-from specdecode.drafters.eagle import EagleDrafter
-from specdecode.drafters.lookahead import LookaheadDrafter
-from specdecode.drafters.medusa import MedusaDrafter
-from specdecode.drafters.ngram import NgramDrafter
-from specdecode.drafters.self_spec.drafter import SelfSpecDrafter
-from specdecode.drafters.suffix import SuffixDrafter
-from specdecode.drafters.tree import TreeDrafter
 from specdecode.errors import InvalidConfigError, VocabularyMismatchError
 
 if TYPE_CHECKING:
     from specdecode.config import SpecConfig
+    from specdecode.drafters.base import Drafter
+    from specdecode.models.prefix_cache import PrefixCache
     from specdecode.heads.eagle3 import Eagle3Head
     from specdecode.heads.medusa import MedusaHeads
     from specdecode.index.datastore import Datastore
@@ -66,23 +56,34 @@ class Method:
 
 
 def _ngram(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.ngram import NgramDrafter
+
     return NgramDrafter(r.spec.ngram_min, r.spec.ngram_max)
 
 
 def _lookahead(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.lookahead import LookaheadDrafter
+
     return LookaheadDrafter(r.spec.lookahead_window, r.spec.lookahead_ngram, r.spec.lookahead_candidates)
 
 
 def _suffix(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.suffix import SuffixDrafter
+
     return SuffixDrafter(r.datastore, r.suffix_history)
 
 
 def _self(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.self_spec.drafter import SelfSpecDrafter
+
     return SelfSpecDrafter(r.target, r.self_skip(), capacity, r.spec.draft_confidence)
 
 
 def _draft_model(r: DraftResources, capacity: int) -> Drafter:
     """The draft model drafting token by token, through text when its vocabulary differs."""
+    from specdecode.drafters.cross_vocab import CrossVocabDrafter
+    from specdecode.drafters.draft_model import DraftModelDrafter
+
     if r.draft_tokenizer is not None:
         return CrossVocabDrafter(r.draft_model, r.draft_tokenizer, r.tokenizer, capacity, r.spec.draft_confidence)
     return DraftModelDrafter(r.draft_model, r.target.config.vocab_size, capacity, r.spec.draft_confidence,
@@ -90,6 +91,8 @@ def _draft_model(r: DraftResources, capacity: int) -> Drafter:
 
 
 def _tree(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.tree import TreeDrafter
+
     if r.draft_tokenizer is not None:
         raise VocabularyMismatchError(f"method 'tree' branches on the draft's own token choices and needs a draft "
                                       f"of the target's vocabulary; {r.draft_name!r} has another one (use "
@@ -99,16 +102,23 @@ def _tree(r: DraftResources, capacity: int) -> Drafter:
 
 
 def _combined(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.combined import CombinedDrafter
+    from specdecode.drafters.suffix import SuffixDrafter
+
     copy = SuffixDrafter(r.datastore, r.suffix_history, min_match=r.spec.combined_min_match)
     return CombinedDrafter(_draft_model(r, capacity), copy)
 
 
 def _eagle(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.eagle import EagleDrafter
+
     return EagleDrafter(r.eagle_head, r.target, capacity, r.spec.draft_confidence, r.spec.head_tree_width,
                         r.spec.head_tree_depth, quantize=r.quantize_heads)
 
 
 def _medusa(r: DraftResources, capacity: int) -> Drafter:
+    from specdecode.drafters.medusa import MedusaDrafter
+
     return MedusaDrafter(r.medusa_heads, r.target, r.spec.draft_confidence, r.spec.head_tree_width,
                          quantize=r.quantize_heads)
 

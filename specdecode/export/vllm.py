@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdecode.drafters.ngram import NGRAM_MAX, NGRAM_MIN
+from specdecode.config import NGRAM_MAX, NGRAM_MIN
 from specdecode.errors import InvalidConfigError
 from specdecode.export.model_files import source_folder, write_model_folder
 from specdecode.files import write_folder
