@@ -9,44 +9,33 @@ stderr, the text alone, as they would from ``print``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.watch import WATCH
 
 
-def _commands() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]]:
-    from specdecode.cli.bench import add_arguments as bench_args
-    from specdecode.cli.calibrate import add_arguments as calibrate_args
-    from specdecode.cli.demo import add_arguments as demo_args
-    from specdecode.cli.export import add_arguments as export_args
-    from specdecode.cli.generate import add_arguments as generate_args
-    from specdecode.cli.index import add_arguments as index_args
-    from specdecode.cli.models import add_arguments as models_args
-    from specdecode.cli.serve import add_arguments as serve_args
-    from specdecode.cli.train import add_arguments as train_args
-    from specdecode.cli.verify_cost import add_arguments as verify_cost_args
-
-    return {
-        "generate": ("Generate text with or without speculative decoding.", generate_args),
-        "models": ("List the named models or convert one now.", models_args),
-        "index": ("Build or inspect a retrieval datastore for --method suffix.", index_args),
-        "verify-cost": ("Measure what verifying K draft tokens costs against one token.", verify_cost_args),
-        "bench": ("Benchmark methods and peers side by side on workloads or a Spec-Bench file.", bench_args),
-        "serve": ("Serve the OpenAI API (completions, chat, streaming, /metrics) with speculative decoding.",
-                  serve_args),
-        "calibrate": ("Choose the layers --method self skips and store the choice next to the model.",
-                      calibrate_args),
-        "train": ("Train a drafter (an EAGLE-3 head, Medusa heads, or a distilled draft model) for a target "
-                  "on your own data.", train_args),
-        "export": ("Write a folder another engine serves as it is: `export vllm` (target, drafter, "
-                   "speculative_config.json, serve.sh).", export_args),
-        "demo": ("Run the default model pair on a few prompts: plain decoding against each method.", demo_args),
-    }
+# Each command: its one line of help and the module of this package with its ``add_arguments``
+# and run function.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("Generate text with or without speculative decoding.", "generate"),
+    "models": ("List the named models or convert one now.", "models"),
+    "index": ("Build or inspect a retrieval datastore for --method suffix.", "index"),
+    "verify-cost": ("Measure what verifying K draft tokens costs against one token.", "verify_cost"),
+    "bench": ("Benchmark methods and peers side by side on workloads or a Spec-Bench file.", "bench"),
+    "serve": ("Serve the OpenAI API (completions, chat, streaming, /metrics) with speculative decoding.", "serve"),
+    "calibrate": ("Choose the layers --method self skips and store the choice next to the model.", "calibrate"),
+    "train": ("Train a drafter (an EAGLE-3 head, Medusa heads, or a distilled draft model) for a target "
+              "on your own data.", "train"),
+    "export": ("Write a folder another engine serves as it is: `export vllm` (target, drafter, "
+               "speculative_config.json, serve.sh).", "export"),
+    "demo": ("Run the default model pair on a few prompts: plain decoding against each method.", "demo"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,14 +45,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser, every command's flags included; given the command line ``argv``, only the
+    flags of the command it names, so that `specdecode --help` and each command import no other
+    command's module (some take their flags' defaults from modules that import torch: `specdecode
+    --help` took 4 s when it imported them all)."""
     parser = _Parser(
         prog="specdecode",
         description="Lossless speculative decoding: the target model's exact output, faster.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, add) in _commands().items():
-        add(sub.add_parser(name, help=help_text, description=help_text))
+    named = next((a for a in argv if a in COMMANDS), None) if argv is not None else None
+    for name, (help_text, module) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        if argv is None or name == named:
+            importlib.import_module(f"specdecode.cli.{module}").add_arguments(command)
     return parser
 
 
@@ -88,7 +84,8 @@ def log_to_stderr() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     log_to_stderr()
     try:
         code = int(args.run(args) or 0)
