@@ -48,8 +48,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The CLI's parser, every command's flags included; given the command line ``argv``, only the
     flags of the command it names, so that `specdecode --help` and each command import no other
-    command's module (some take their flags' defaults from modules that import torch: `specdecode
-    --help` took 4 s when it imported them all)."""
+    command's module (some take their flags' defaults from modules that import torch; importing
+    every command's module takes about 4 s)."""
     parser = _Parser(
         prog="specdecode",
         description="Lossless speculative decoding: the target model's exact output, faster.",
