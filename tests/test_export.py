@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from specdecode.cli import main
 from specdecode.errors import InvalidConfigError
 from specdecode.export.plan import plan_export
-from specdecode.export.vllm import NEAREST, speculative_config
+from specdecode.export.choices import NEAREST
+from specdecode.export.vllm import speculative_config
 from specdecode.heads.eagle3_format import load_eagle3, save_eagle3
 from specdecode.heads.medusa import MedusaConfig, MedusaHeads
 from specdecode.heads.medusa_format import load_medusa, save_medusa

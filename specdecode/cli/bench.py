@@ -378,7 +378,8 @@ def _vllm_peers(args: argparse.Namespace, plan: Plan, llm: Any, draft: str | Non
     they cost no disk; vLLM casts them to --dtype as it loads), and the detached contestants."""
     from specdecode.bench.vllm_peer import PLAIN, vllm_detached
     from specdecode.export.plan import plan_export
-    from specdecode.export.vllm import VLLM_METHODS, write_export
+    from specdecode.export.choices import VLLM_METHODS
+    from specdecode.export.vllm import write_export
 
     progress = not args.no_progress
     wanted: list[tuple[str, str, int | None]] = [(PLAIN, "none", None)]

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.drafters.self_spec.calibrate import (DEFAULT_CALIBRATION_K, DEFAULT_CALIBRATION_TOKENS, DEFAULT_CANDIDATES,
-                                  DEFAULT_MAX_SKIP)
+from specdecode.drafters.self_spec.layers import (DEFAULT_CALIBRATION_K, DEFAULT_CALIBRATION_TOKENS, DEFAULT_CANDIDATES,
+                                               DEFAULT_MAX_SKIP)
 from specdecode.config import DEFAULT_MODEL
 from specdecode.errors import InvalidConfigError
 

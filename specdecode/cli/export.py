@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from specdecode.drafters.registry import METHOD_NAMES
-from specdecode.export.model_files import EXPORT_DTYPES
-from specdecode.export.vllm import DEFAULT_VLLM_K, NEAREST, VLLM_METHODS
+from specdecode.export.choices import DEFAULT_VLLM_K, EXPORT_DTYPES, NEAREST, VLLM_METHODS
 
 EPILOG = """\
 Methods: none, ngram, draft_model, eagle (vLLM's eagle3), medusa and suffix have vLLM counterparts;

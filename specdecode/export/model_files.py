@@ -24,12 +24,12 @@ import torch
 from safetensors import safe_open
 
 from specdecode.errors import UnsupportedModelError
+from specdecode.export.choices import EXPORT_DTYPES
 from specdecode.models.gguf_convert import MARKER_NAME, write_float_weights
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
             "model.safetensors.index.json")
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # what an export's weights (and vLLM) compute in
 # Our dtype names and safetensors' codes for them, one table read both ways.
 _CODES = dict(zip(EXPORT_DTYPES, ("F32", "BF16", "F16")))
 _NAMES = {code: name for name, code in _CODES.items()}

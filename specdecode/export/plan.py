@@ -14,8 +14,9 @@ from typing import Any
 from specdecode.config import DEFAULT_DRAFTS, DEFAULT_MODEL
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.errors import InvalidConfigError
-from specdecode.export.model_files import EXPORT_DTYPES, source_folder, stored_dtype
-from specdecode.export.vllm import DEFAULT_VLLM_K, ExportPlan, vllm_method
+from specdecode.export.choices import DEFAULT_VLLM_K, EXPORT_DTYPES
+from specdecode.export.model_files import source_folder, stored_dtype
+from specdecode.export.vllm import ExportPlan, vllm_method
 from specdecode.heads.eagle3_format import load_head_for
 from specdecode.heads.folders import read_config
 from specdecode.heads.medusa_format import load_medusa_for

@@ -34,6 +34,7 @@ from typing import Any
 
 from specdecode.config import NGRAM_MAX, NGRAM_MIN
 from specdecode.errors import InvalidConfigError
+from specdecode.export.choices import DEFAULT_VLLM_K, NEAREST, VLLM_METHODS
 from specdecode.export.model_files import source_folder, write_model_folder
 from specdecode.files import write_folder
 from specdecode.heads.eagle3_format import load_head_for, save_eagle3
@@ -44,21 +45,6 @@ VLLM_VERSION = "0.32.0"  # the version the export was checked against (docs/SCAL
 EXPORT_FILE = "export.json"
 CONFIG_FILE = "speculative_config.json"
 SCRIPT_FILE = "serve.sh"
-DEFAULT_VLLM_K = 5
-
-# Our method -> vLLM's ``method``.
-VLLM_METHODS: dict[str, str | None] = {
-    "none": None, "ngram": "ngram", "draft_model": "draft_model", "eagle": "eagle3", "medusa": "medusa",
-    "suffix": "suffix",
-}
-# Ours that vLLM lacks -> the nearest vLLM method and why.
-NEAREST: dict[str, str] = {
-    "lookahead": "ngram (vLLM copies n-grams from the context; it has no Jacobi lookahead)",
-    "self": "draft_model with a small model of the target's vocabulary, or eagle3 with a head from "
-            "`specdecode train eagle3` (vLLM has no layer-skipping self-speculation)",
-    "combined": "ngram or draft_model (vLLM runs one drafter per server)",
-    "tree": "draft_model (vLLM drafts chains from a draft model; its token trees are for EAGLE heads on GPUs)",
-}
 HEAD_FOLDERS = {"eagle": "eagle3", "medusa": "medusa"}
 
 

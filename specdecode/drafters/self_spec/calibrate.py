@@ -38,15 +38,12 @@ from specdecode.params import MAX_SPECULATIVE_TOKENS
 from specdecode.errors import InvalidConfigError
 from specdecode.models.config import ModelConfig, config_fingerprint
 from specdecode.models.decoder import Decoder
-from specdecode.drafters.self_spec.layers import SkipChoice
+from specdecode.drafters.self_spec.layers import (DEFAULT_CALIBRATION_K, DEFAULT_CALIBRATION_TOKENS, DEFAULT_CANDIDATES,
+                                                   DEFAULT_MAX_SKIP, SkipChoice)
 from specdecode.drafters.self_spec.skip import skip_layers
 from specdecode.sample.sampling import greedy
 from specdecode.tokenizer import Tokenizer
 
-DEFAULT_MAX_SKIP = 0.5
-DEFAULT_CALIBRATION_K = 4
-DEFAULT_CALIBRATION_TOKENS = 64
-DEFAULT_CANDIDATES = 4  # layers re-tried per round after the first (see search_skip)
 
 # Short chat and code requests: the workloads self-speculation is meant for.
 BUILTIN_PROMPTS = (

@@ -21,6 +21,11 @@ from specdecode.models.config import ModelConfig, config_fingerprint
 
 SKIP_FILE_NAME = "specdecode-self.json"
 SKIP_FILE_FORMAT = 1
+# ``specdecode calibrate``'s defaults (``calibrate.py`` searches; the CLI reads these without it).
+DEFAULT_MAX_SKIP = 0.5
+DEFAULT_CALIBRATION_K = 4
+DEFAULT_CALIBRATION_TOKENS = 64
+DEFAULT_CANDIDATES = 4  # layers re-tried per round after the first (see calibrate.search_skip)
 
 
 @dataclass(frozen=True, slots=True)
