@@ -2,8 +2,8 @@
 # Time the GGUF kernel's row tiles alone (see tile_time.cpp), AVX2 build, pinned to one core:
 #   scripts/gguf_tile_time/tile_time.sh [KERNEL.cpp] [TYPE IN OUT COPIES SECONDS]
 # KERNEL.cpp defaults to the package's specdecode/models/csrc/linear_gguf.cpp; the rest to a Q4_K
-# matrix of 1536 inputs and 128 outputs held in L2 (12 1536 128 1 3). Another copy of the kernel
-# (say, main's, from git show) times beside it; keep its headers (lanes.h) in the package's folder.
+# matrix of 1536 inputs and 128 outputs held in L2 (12 1536 128 1 3). To compare, run it again with
+# another copy of the kernel (say, main's, from git show); it reads the package's headers (lanes.h).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 csrc="$here/../../specdecode/models/csrc"
