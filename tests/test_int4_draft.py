@@ -134,7 +134,7 @@ def test_tiled_layout_holds_every_weight(shape):
     for k in range(0, shape[1], 8):
         got = kernel.linear_int4_tiled(eye[k : k + 8].contiguous(), w.packed, w.scales, w.offset)
         assert torch.equal(got, 127.0 * deq[:, k : k + 8].T), k
-        for rows in (1, 2):  # calls of one or two rows take both halves of a tile in one pass
+        for rows in (1, 2, 3, 5):  # passes of up to MAXR rows (4 on AVX2, 8 on VNNI) and the rest
             got = kernel.linear_int4_tiled(eye[k : k + rows].contiguous(), w.packed, w.scales, w.offset)
             assert torch.equal(got, 127.0 * deq[:, k : k + rows].T), (k, rows)
     for n in range(1, draft_quant.INT4_MAX_ROWS + 1):

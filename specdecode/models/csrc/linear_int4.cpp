@@ -305,12 +305,11 @@ struct Acts {
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int PARTS = 1;  // registers per tile and row
-constexpr int MAXR = 8;   // rows per pass over a tile
+constexpr int MAXR = 8;  // rows per pass over a tile
 
 // Outputs of one tile for rows r0 .. r0+R-1: y[r][o] (o < 16).
 template <int R>
-inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int, float (*y)[TILE]) {
+inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, float (*y)[TILE]) {
     constexpr int C = R <= 4 ? 2 : 1;  // int32 chains per row (a one-row tile needs two to hide latency)
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(tile);
     const uint8_t* q = tile + w.scale_bytes;
@@ -343,19 +342,20 @@ inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], _mm512_mul_ps(f[r], _mm512_set1_ps(a.scale[r0 + r])));
 }
 #else
-constexpr int PARTS = 2;
+// Every pass takes both halves of a tile's blocks (16 outputs, two registers) for up to 4 rows:
+// each row's broadcast activations serve both halves, and a decode step's one or two rows stream
+// each tile once, its loads going on while it computes. Against a pass per half, a draft forward
+// of 3 / 8 / 32 rows took 0.73-0.76x / 0.82-0.83x / 0.86-0.92x the time, and one row 15-16 ms
+// against 18-20 ms (docs/PERFORMANCE.md, "The draft"). In the inner loop 8 int16 sums, 4 decoded
+// weight registers and a row's two broadcasts fill AVX2's 16 registers.
 constexpr int MAXR = 4;
-// Rows a tile takes both halves of its blocks for in one pass (``tile_parts``): a decode step's one
-// or two rows stream each tile once, its loads going on while it computes, where a pass per half
-// would keep the memory idle through the second (read from L1). One row's body step: 15-16 ms
-// against 18-20 ms (docs/PERFORMANCE.md, "The draft"). Wider calls are compute-bound: a pass per half.
-constexpr int BOTH_PARTS_ROWS = 2;
 
-// Outputs 8 part0 .. 8 (part0 + P) - 1 of one tile for rows r0 .. r0+R-1 (P halves of each block).
-template <int R, int P>
-inline void tile_parts(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int part0, float (*y)[TILE]) {
+// Outputs of one tile for rows r0 .. r0+R-1: y[r][o] (o < 16), outputs 8c .. 8c + 7 in half c.
+template <int R>
+inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, float (*y)[TILE]) {
+    constexpr int P = 2;  // halves
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(tile);
-    const uint8_t* q = tile + w.scale_bytes + 32 * part0;
+    const uint8_t* q = tile + w.scale_bytes;
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 f[P][R];
     for (int c = 0; c < P; ++c)
@@ -370,61 +370,47 @@ inline void tile_parts(const Tiled& w, const uint8_t* tile, const Acts& a, int64
                 for (int r = 0; r < R; ++r) s16[c][r] = _mm256_setzero_si256();
             for (int b = 4 * h; b < 4 * h + 4; ++b) {
                 const uint8_t* p = q + g * 512 + 64 * b;
-                if (part0 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF), _MM_HINT_T1);
-                __m256i xl[R], xh[R];
-                for (int r = 0; r < R; ++r) {
-                    const int64_t k = g * G + 8 * b;
-                    xl[r] = _mm256_set1_epi32(a.dword(r0 + r, k)), xh[r] = _mm256_set1_epi32(a.dword(r0 + r, k + 4));
-                }
+                _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PF), _MM_HINT_T1);
+                __m256i lo[P], hi[P];
                 for (int c = 0; c < P; ++c) {
                     const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
-                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    for (int r = 0; r < R; ++r)
-                        s16[c][r] = _mm256_add_epi16(s16[c][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[r]),
-                                                                                  _mm256_maddubs_epi16(hi, xh[r])));
+                    lo[c] = _mm256_and_si256(v, m4), hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                const int64_t k = g * G + 8 * b;
+                for (int r = 0; r < R; ++r) {
+                    const __m256i xl = _mm256_set1_epi32(a.dword(r0 + r, k));
+                    const __m256i xh = _mm256_set1_epi32(a.dword(r0 + r, k + 4));
+                    for (int c = 0; c < P; ++c)
+                        s16[c][r] = _mm256_add_epi16(s16[c][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xl),
+                                                                                  _mm256_maddubs_epi16(hi[c], xh)));
                 }
             }
             for (int c = 0; c < P; ++c)
                 for (int r = 0; r < R; ++r) acc[c][r] = _mm256_add_epi32(acc[c][r], _mm256_madd_epi16(s16[c][r], ones));
         }
         for (int c = 0; c < P; ++c) {
-            const __m256 s = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + g * TILE + 8 * (part0 + c))));
+            const __m256 s = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + g * TILE + 8 * c)));
             for (int r = 0; r < R; ++r) f[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c][r]), s, f[c][r]);
         }
     }
     for (int c = 0; c < P; ++c)
         for (int r = 0; r < R; ++r)
-            _mm256_storeu_ps(y[r] + 8 * (part0 + c), _mm256_mul_ps(f[c][r], _mm256_set1_ps(a.scale[r0 + r])));
-}
-
-// Outputs 8 part .. 8 part + 7 of one tile for rows r0 .. r0+R-1.
-template <int R>
-inline void tile_rows(const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int part, float (*y)[TILE]) {
-    tile_parts<R, 1>(w, tile, a, r0, part, y);
+            _mm256_storeu_ps(y[r] + 8 * c, _mm256_mul_ps(f[c][r], _mm256_set1_ps(a.scale[r0 + r])));
 }
 #endif
 
 // rows (1..R) rows from r0 through the tile_rows instance of that many rows.
 template <int R>
-inline void rows_upto(int64_t rows, const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, int part,
-                      float (*y)[TILE]) {
+inline void rows_upto(int64_t rows, const Tiled& w, const uint8_t* tile, const Acts& a, int64_t r0, float (*y)[TILE]) {
     if constexpr (R > 1)
-        if (rows < R) return rows_upto<R - 1>(rows, w, tile, a, r0, part, y);
-    tile_rows<R>(w, tile, a, r0, part, y);
+        if (rows < R) return rows_upto<R - 1>(rows, w, tile, a, r0, y);
+    tile_rows<R>(w, tile, a, r0, y);
 }
 
 // Tile i of w for every row of a: y[r][o].
 void tile_all_rows(const Tiled& w, int64_t i, const Acts& a, float (*y)[TILE]) {
     const uint8_t* tile = w.data + i * w.tile_bytes;
-#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-    if (a.n <= BOTH_PARTS_ROWS) {
-        if (a.n == 2) return tile_parts<2, 2>(w, tile, a, 0, 0, y);
-        return tile_parts<1, 2>(w, tile, a, 0, 0, y);
-    }
-#endif
-    for (int part = 0; part < PARTS; ++part)
-        for (int64_t r0 = 0; r0 < a.n; r0 += MAXR)
-            rows_upto<MAXR>(std::min<int64_t>(MAXR, a.n - r0), w, tile, a, r0, part, y + r0);
+    for (int64_t r0 = 0; r0 < a.n; r0 += MAXR) rows_upto<MAXR>(std::min<int64_t>(MAXR, a.n - r0), w, tile, a, r0, y + r0);
 }
 
 // Tiles of w this thread owns (an even share), each handed to sink(i, y) with y[r][o] its outputs.
