@@ -144,7 +144,7 @@ class CostTable(StepCosts):
     prove nothing. Acceptance is still learned, so K still changes from step to step."""
 
     def __init__(self) -> None:
-        super().__init__(step_s=0.040, shape={r: 1 + 0.25 * (r - 1) for r in range(2, 65)})
+        super().__init__(step_s=0.040, row_share=0.25)
 
     def draft_token(self, request) -> float:
         return 0.2 * self.verify(1)

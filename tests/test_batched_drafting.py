@@ -16,7 +16,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine.batch import Batch
 from specdecode.engine import trace
 from specdecode.engine.drafting import DraftWork, draft_all
-from specdecode.engine.costs import StepCosts
+from specdecode.engine.costs import MAX_SHARE, ROW_SHARE_PRIOR, StepCosts
 from specdecode.engine.policy import CostModel, FixedK
 from specdecode.models.decoder import Decoder
 from specdecode.sequence import DraftProposal
@@ -311,7 +311,7 @@ def test_the_step_trace_records_each_steps_times_and_drafts(llm, tmp_path, monke
 def test_a_run_measures_the_costs_its_policy_plans_on(llm):
     """The engine's steps teach the default policy its costs (the other tests plan on
     ``conftest.CostTable``): a one-row step's seconds, the shape of multi-row verifies, and the
-    drafter's seconds per drafted token."""
+    drafter's seconds per drafted token; the row share from consecutive steps of different rows."""
     policy = CostModel(StepCosts())
     batch = Batch(llm.target, policy)
     batch.add(llm.engine.begin(_prompts(llm)[3], SamplingParams(max_tokens=16, ignore_eos=True),
@@ -320,5 +320,5 @@ def test_a_run_measures_the_costs_its_policy_plans_on(llm):
         batch.step()
     costs = policy.costs
     assert costs.verify_measured and costs.step_s > 0
-    assert costs.shape and all(steps > 0 for steps in costs.shape.values())
+    assert costs.row_share != ROW_SHARE_PRIOR and 0 <= costs.row_share <= MAX_SHARE
     assert costs.draft_token_steps.get("draft_model", 0) > 0

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.engine.costs import ROW_SHARE_PRIOR, RequestOutcome, RequestSpeculation, StepCosts, StepTimes
+from specdecode.engine.costs import ROW_SHARE_PRIOR, SHARE_EMA, RequestOutcome, RequestSpeculation, StepCosts, StepTimes
 from specdecode.engine.policy import MARGIN, PRIOR_ACCEPTANCE, PROBE_AFTER_MAX, PROBE_K, CostModel, DraftRequest, FixedK
 
 STEP = 0.040  # one verify row, seconds
 
 
-def _costs(row_s: float, draft_s: float = 0.0, method: str = "draft_model", max_rows: int = 64) -> StepCosts:
+def _costs(row_s: float, draft_s: float = 0.0, method: str = "draft_model") -> StepCosts:
     """A verify forward of r rows costs STEP + row_s * (r - 1); drafting ``draft_s`` a token."""
-    costs = StepCosts(step_s=STEP, shape={r: 1 + row_s / STEP * (r - 1) for r in range(2, max_rows + 1)})
+    costs = StepCosts(step_s=STEP, row_share=row_s / STEP)
     costs.draft_token_steps[method] = draft_s / STEP
     return costs
 
@@ -185,15 +185,48 @@ def test_a_method_starts_from_its_prior_not_from_its_first_step():
     assert policy.acceptance(fresh) == pytest.approx(policy.method_acceptance["draft_model"])
 
 
-def test_verify_costs_are_a_level_times_a_shape_read_through_a_fitted_line():
+def test_verify_costs_are_a_level_times_a_row_share_learned_from_pairs_of_steps():
+    """Each step moves the level; only two consecutive steps of different rows move the share,
+    towards the share that puts both at one level."""
     costs = StepCosts()
     assert costs.verify(4) == 0.0 and not costs.verify_measured
     costs.record(StepTimes(rows=1, verify_s=0.040))
-    assert costs.verify(3) == pytest.approx(0.040 * (1 + 2 * ROW_SHARE_PRIOR))  # one count: the prior share
-    costs.record(StepTimes(rows=5, verify_s=0.080))
-    assert costs.verify(9) == pytest.approx(0.120) and costs.verify(3) == pytest.approx(0.060)
-    costs.record(StepTimes(rows=1, verify_s=0.050, catch_ups=[(100, 0.5)]))
-    assert costs.verify(1) == pytest.approx(0.042)
+    assert costs.verify(3) == pytest.approx(0.040 * (1 + 2 * ROW_SHARE_PRIOR))  # the prior share
+    costs.record(StepTimes(rows=5, verify_s=0.040 * (1 + 4 * 0.5)))  # a pair saying 0.5
+    share = ROW_SHARE_PRIOR + SHARE_EMA * (0.5 - ROW_SHARE_PRIOR)
+    assert costs.row_share == pytest.approx(share)
+    assert costs.verify(9) == pytest.approx(costs.step_s * (1 + 8 * share))
+    costs.record(StepTimes(rows=5, verify_s=0.200))  # the same rows again: the level moves, not the share
+    assert costs.row_share == pytest.approx(share)
+    assert costs.verify(5) > 0.080
+    costs.record(StepTimes(rows=2, verify_s=0.040))  # 5 rows 5x as long as 2: no share explains it
+    assert costs.row_share == pytest.approx(share)
+    costs.record(StepTimes(rows=3, verify_s=0.001))  # more rows faster: a pair says no less than "free"
+    assert costs.row_share == pytest.approx(share * (1 - SHARE_EMA))
+
+
+@pytest.mark.parametrize("spell", [range(0, 4), range(2, 8), range(40, 60)], ids=str)
+def test_a_slow_spell_moves_the_level_and_leaves_the_row_share(spell):
+    """Steps of 40 ms and 10 ms a row, every forward 1.5x as long for a spell: the share is
+    learned from pairs of steps, so the spell cannot make rows look dear and turn drafting
+    off (learned from each step against the level, a spell at the start once held a simulated
+    run at plain steps for good)."""
+    import random
+
+    rnd = random.Random(1)
+    policy, state = CostModel(StepCosts()), RequestSpeculation()
+    ks = []
+    for step in range(120):
+        k = policy.draft_lengths([DraftRequest("draft_model", 12, 100, state=state)])[0]
+        accepted = next((j for j in range(k) if rnd.random() > 0.9), k)
+        slow = 1.5 if step in spell else 1.0
+        seconds = (STEP + 0.010 * k) * slow * rnd.uniform(0.97, 1.03)
+        policy.record(StepTimes(rows=k + 1, verify_s=seconds,
+                                requests=[RequestOutcome("draft_model", state, k, accepted, 0.008 * k)]))
+        ks.append(k)
+    assert 0.15 < policy.costs.row_share < 0.35  # 0.25 each extra row
+    assert policy.costs.step_s == pytest.approx(STEP, rel=0.1)
+    assert min(ks[-40:]) >= 1 and sum(ks[-40:]) / 40 >= 2.4  # 3-4 pay best here
 
 
 def test_catch_ups_are_read_through_a_line_of_their_sizes():

@@ -2,14 +2,16 @@
 
 The speculation policy (``policy.py``) weighs drafts against these. A verify forward's time grows
 with its rows once the matmuls turn compute-bound (on a 2-core CPU each extra row of a quantized
-target costs a share of a whole step). It is kept as a level and a shape learned apart: the
-level is the one-row step's seconds now, which every step updates whatever its rows; the shape
-is each row count's cost in one-row steps, learned slowly and read through a line fitted to
-the counts measured (``1 + b (rows - 1)``) where a count was not. Drafting is kept per method as
-the cost of a drafted token, and a draft model's catch-up (feeding tokens it missed, a prefill)
-by its size, both in one-row steps too. So a spell of load (another process on a 2-core
-machine), which slows every forward alike, moves the level alone: it changes no choice, and a
-row count or a method not used since then is not held to what it cost during the spell.
+target costs a share of a whole step): ``level * (1 + share * (rows - 1))``. The level is the
+one-row step's seconds now, which every step updates whatever its rows; the share is learned
+slowly, and only from two consecutive steps of different row counts: their ratio of times,
+which a spell of load (another process on a 2-core machine, a shared host's slow vCPU) leaves
+alone because it slows both. A step alone cannot tell a slower machine from dearer rows: learned
+from each step against the level, a share measured high in a slow spell would hold the policy
+at the row count it then picks, whose steps would confirm the share through the level they set
+(one spell of 1.5x at the start of a simulated run turned drafting off for good). Drafting is
+kept per method as the cost of a drafted token, and a draft model's catch-up (feeding tokens
+it missed, a prefill) by its size, both in one-row steps too, so load moves the level alone.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 EMA = 0.2  # weight of a new measurement in its running mean
-SHAPE_EMA = 0.1  # the same for a row count's cost in one-row steps: slower, so load moves the level
+SHARE_EMA = 0.1  # the same for a pair of steps' row share: one pair is noisy (a few % of a step each)
+MAX_SHARE = 1.0  # most a pair may say an extra row costs, in one-row steps (a whole step)
 PROBE_AFTER = 16  # steps at K = 0 before a request re-measures its acceptance (policy.py)
-# Before two row counts are measured, an extra row is taken to cost this share of a one-row
-# step: the quantized target's extra rows cost about 0.2 of one on VNNI and 0.3 on AVX2
-# (`specdecode verify-cost`, docs/GGUF_NATIVE.md).
+# Where the row share starts: the quantized target's extra rows cost about 0.2 of a one-row step
+# on VNNI and 0.2-0.3 on AVX2 (`specdecode verify-cost`, docs/GGUF_NATIVE.md).
 ROW_SHARE_PRIOR = 0.25
 
 
@@ -84,10 +86,11 @@ class StepCosts:
     """Running estimates of the costs a step is made of (see the module docstring)."""
 
     step_s: float | None = None  # the level: a one-row verify forward's seconds now; None: not measured
-    shape: dict[int, float] = field(default_factory=dict)  # rows -> cost in one-row steps (rows > 1)
+    row_share: float = ROW_SHARE_PRIOR  # an extra verify row's cost in one-row steps
     draft_token_steps: dict[str, float] = field(default_factory=dict)  # by method, in one-row steps
     # catch-ups by size (the bit length of their token count): running means of (tokens, one-row steps)
     catch_up_by_size: dict[int, tuple[float, float]] = field(default_factory=dict)
+    _last: tuple[int, float] | None = field(default=None, repr=False)  # the last step's (rows, seconds)
 
     @property
     def verify_measured(self) -> bool:
@@ -98,15 +101,8 @@ class StepCosts:
         return 0.0 if self.step_s is None else self.step_s * self.steps(rows)
 
     def steps(self, rows: int) -> float:
-        """A verify forward over ``rows`` rows in one-row steps: as measured, else through the line
-        ``1 + b (rows - 1)`` fitted to the counts measured (before any: the prior share a row)."""
-        if rows <= 1:
-            return 1.0
-        if rows in self.shape:
-            return self.shape[rows]
-        points = [(r - 1, s - 1) for r, s in self.shape.items()]
-        b = sum(x * y for x, y in points) / sum(x * x for x, _ in points) if points else ROW_SHARE_PRIOR
-        return 1.0 + max(b, 0.0) * (rows - 1)
+        """A verify forward over ``rows`` rows in one-row steps."""
+        return 1.0 + self.row_share * max(rows - 1, 0)
 
     def draft_token(self, request: DraftCostKey) -> float:
         """Seconds per drafted token of the request's method: its measured share of a one-row
@@ -128,16 +124,16 @@ class StepCosts:
         return max(a + b * tokens, 0.0) * self.verify(1)
 
     def record(self, step: StepTimes) -> None:
-        # This step's one-row step: its time over its rows' cost in one-row steps. The level moves
-        # first, so a change of load shows in the level before it shows in the shape.
+        if step.verify_s <= 0:
+            return
+        last, self._last = self._last, (step.rows, step.verify_s)
+        if last is not None and last[0] != step.rows:
+            share = _pair_share(last, self._last)
+            if share is not None:
+                self.row_share += SHARE_EMA * (share - self.row_share)
+        # This step's one-row step: its time over its rows' cost in one-row steps.
         unit = step.verify_s / self.steps(step.rows)
         self.step_s = _ema(self.step_s, unit)
-        if step.rows > 1:
-            sample = step.verify_s / self.step_s
-            old = self.shape.get(step.rows)
-            self.shape[step.rows] = sample if old is None else (1 - SHAPE_EMA) * old + SHAPE_EMA * sample
-        if unit <= 0:
-            return
         for tokens, seconds in step.catch_ups:
             size = tokens.bit_length()
             old_point = self.catch_up_by_size.get(size)
@@ -147,6 +143,18 @@ class StepCosts:
             if outcome.drafted:
                 per_token = outcome.draft_s / outcome.drafted / unit
                 self.draft_token_steps[outcome.method] = _ema(self.draft_token_steps.get(outcome.method), per_token)
+
+
+def _pair_share(a: tuple[int, float], b: tuple[int, float]) -> float | None:
+    """The row share that makes two steps' times (rows, seconds) one level apart:
+    t_b (1 + s (r_a - 1)) = t_a (1 + s (r_b - 1)), clipped to [0, MAX_SHARE]; None when none
+    does: the step of more rows took (r_b - 1) / (r_a - 1) times as long or more, which no
+    cost of rows explains (the load changed between them)."""
+    (ra, ta), (rb, tb) = sorted((a, b))
+    denominator = ta * (rb - 1) - tb * (ra - 1)
+    if denominator <= 0:
+        return None
+    return min(max((tb - ta) / denominator, 0.0), MAX_SHARE)
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
