@@ -209,8 +209,8 @@ def test_verify_costs_are_a_level_times_a_row_share_learned_from_pairs_of_steps(
 def test_a_slow_spell_moves_the_level_and_leaves_the_row_share(spell):
     """Steps of 40 ms and 10 ms a row, every forward 1.5x as long for a spell: the share is
     learned from pairs of steps, so the spell cannot make rows look dear and turn drafting
-    off (learned from each step against the level, a spell at the start once held a simulated
-    run at plain steps for good)."""
+    off (learned from each step against the level, a spell early in a run can hold it at one
+    draft a step or none)."""
     import random
 
     rnd = random.Random(1)

@@ -8,8 +8,8 @@ slowly, and only from two consecutive steps of different row counts: their ratio
 which a spell of load (another process on a 2-core machine, a shared host's slow vCPU) leaves
 alone because it slows both. A step alone cannot tell a slower machine from dearer rows: learned
 from each step against the level, a share measured high in a slow spell would hold the policy
-at the row count it then picks, whose steps would confirm the share through the level they set
-(one spell of 1.5x at the start of a simulated run turned drafting off for good). Drafting is
+at the row count it then picks, whose steps would confirm the share through the level they set,
+down to plain steps for good (tests/test_policy.py has such spells). Drafting is
 kept per method as the cost of a drafted token, and a draft model's catch-up (feeding tokens
 it missed, a prefill) by its size, both in one-row steps too, so load moves the level alone.
 """
