@@ -4,6 +4,8 @@ and learns from the steps it is told about. Pure: no model runs."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specdecode.engine.costs import ROW_SHARE_PRIOR, SHARE_EMA, RequestOutcome, RequestSpeculation, StepCosts, StepTimes
@@ -211,8 +213,6 @@ def test_a_slow_spell_moves_the_level_and_leaves_the_row_share(spell):
     learned from pairs of steps, so the spell cannot make rows look dear and turn drafting
     off (learned from each step against the level, a spell early in a run can hold it at one
     draft a step or none)."""
-    import random
-
     rnd = random.Random(1)
     policy, state = CostModel(StepCosts()), RequestSpeculation()
     ks = []
