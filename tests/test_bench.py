@@ -155,8 +155,11 @@ def test_bench_end_to_end_shapes(tiny_pair, tmp_path, capsys):
     assert {"best_method", "best_k"} <= set(summary["advice"])
     assert summary["advice"]["best_method"] in ("none", "draft_model")
     assert summary["peak_rss_mb"] > 0 and summary["target_step_s"] > 0
+    costs = summary["policy_costs"]  # what the policy planned on (here conftest's CostTable)
+    assert costs["step_s"] > 0 and costs["row_share"] == pytest.approx(0.25)
     md = (out / "summary.md").read_text()
     assert "| draft_model | 3 |" in md and "## Advice" in md
+    assert "each extra verify row 0.25 of it" in md
 
 
 def test_sweep_k_rows_and_advice(tiny_pair, tmp_path):

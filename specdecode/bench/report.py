@@ -126,6 +126,12 @@ def _header(summary: dict[str, Any]) -> list[str]:
         notes.append(f"One single-token target step: {summary['target_step_s'] * 1e3:.1f} ms.")
     if summary.get("peak_rss_mb"):
         notes.append(f"Peak RSS: {summary['peak_rss_mb']:.0f} MB.")
+    costs = summary.get("policy_costs")
+    if costs and costs.get("step_s"):
+        drafts = ", ".join(f"{name} {steps:.2f}" for name, steps in costs["draft_token_steps"].items())
+        notes.append(f"The speculation policy's costs at the end of the run: a one-row step {costs['step_s'] * 1e3:.1f} "
+                     f"ms, each extra verify row {costs['row_share']:.2f} of it"
+                     + (f", a drafted token {drafts} of it." if drafts else "."))
     return lines + ["", " ".join(notes)]
 
 

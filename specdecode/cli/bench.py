@@ -23,6 +23,7 @@ from specdecode.cli.options import (add_draft_options, add_method_options, add_p
 from specdecode.config import (DEFAULT_DRAFTS, DEFAULT_DTYPE, DEFAULT_MAX_SEQ_LEN, DEFAULT_MODEL, DEFAULT_SPECULATIVE_TOKENS, DTYPES)
 from specdecode.params import SamplingParams
 from specdecode.drafters.registry import DRAFT_MODEL_METHODS, METHOD_NAMES
+from specdecode.engine.costs import StepCosts
 from specdecode.errors import InvalidConfigError
 
 DEFAULT_METHODS = "none,combined,draft_model,ngram"  # combined: the default method
@@ -332,6 +333,9 @@ def _run_local(args: argparse.Namespace, plan: Plan, out: Path) -> tuple[dict[st
                         failures=result.failures, peer_settings=peer_settings)
     summary["wall_s"] = result.wall_s
     summary["peer_errors"] = result.peer_errors
+    costs = getattr(llm.engine.policy, "costs", None)  # the speculation policy's, learned over the run
+    if isinstance(costs, StepCosts):
+        summary["policy_costs"] = costs.as_dict()
     if plan.synthetic is not None:
         summary["synthetic_acceptance"] = list(plan.synthetic)
         summary["advice"] = {"best_method": None, "best_k": None, "speedup_vs_none": None,

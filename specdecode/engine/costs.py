@@ -123,6 +123,12 @@ class StepCosts:
         a, b = _fit(points)
         return max(a + b * tokens, 0.0) * self.verify(1)
 
+    def as_dict(self) -> dict[str, object]:
+        """What was learned, for reports: the level in seconds, an extra row's share of it, and
+        each draft source's seconds per drafted token in one-row steps."""
+        return {"step_s": self.step_s, "row_share": self.row_share,
+                "draft_token_steps": dict(sorted(self.draft_token_steps.items()))}
+
     def record(self, step: StepTimes) -> None:
         if step.verify_s <= 0:
             return
