@@ -7,17 +7,20 @@ runs ``--rounds`` times per prompt, in interleaved rounds, and the faster run is
 64-token generation takes a few seconds, and on a shared 2-core host one run of it moves by 10-20%
 with the machine (`make demo` three times on one clone printed 0.93x to 1.22x for the same
 method and prompt, AMD EPYC Zen 3, 2026-11-27), which a second run of every method, plain
-decoding included, mostly takes out.
+decoding included, narrows.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from specdecode.config import DEFAULT_SPECULATIVE_TOKENS
 from specdecode.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdecode.engine.generation import GenerationOutput
 
 PROMPTS = [
     ("code", "Write a Python function `merge_sorted(a, b)` that merges two sorted lists into one "
@@ -30,17 +33,18 @@ PROMPTS = [
 METHODS = ("none", "combined", "draft_model", "ngram")  # combined: the default method
 
 
-def interleaved_runs(generate: Callable[[str], Any], methods: Sequence[str], rounds: int) -> dict[str, list[Any]]:
+def interleaved_runs(generate: Callable[[str], GenerationOutput], methods: Sequence[str],
+                     rounds: int) -> dict[str, list[GenerationOutput]]:
     """``generate(method)`` for every method in turn, ``rounds`` times over (a drift of the machine's
     speed then falls on every method alike); each method's outputs in the order they ran."""
-    runs: dict[str, list[Any]] = {m: [] for m in methods}
+    runs: dict[str, list[GenerationOutput]] = {m: [] for m in methods}
     for _ in range(rounds):
         for method in methods:
             runs[method].append(generate(method))
     return runs
 
 
-def fastest(outputs: Sequence[Any]) -> Any:
+def fastest(outputs: Sequence[GenerationOutput]) -> GenerationOutput:
     """The output of the run with the most tokens per second (the first among equals)."""
     return max(outputs, key=lambda o: o.stats.tokens_per_s)
 
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     for category, prompt in PROMPTS:
         ids = llm.chat_prompt_ids([{"role": "user", "content": prompt}])
 
-        def generate(method: str) -> Any:
+        def generate(method: str) -> GenerationOutput:
             llm.clear_prefix_cache()  # every run prefills the prompt whole, as plain decoding did
             llm.suffix_history.clear()  # and copies from no earlier answer (an earlier round's of this prompt)
             return llm.generate(ids, params, method=method)[0]
