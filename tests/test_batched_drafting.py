@@ -310,8 +310,8 @@ def test_the_step_trace_records_each_steps_times_and_drafts(llm, tmp_path, monke
 
 def test_a_run_measures_the_costs_its_policy_plans_on(llm):
     """The engine's steps teach the default policy its costs (the other tests plan on
-    ``conftest.CostTable``): a one-row step's seconds, the shape of multi-row verifies, and the
-    drafter's seconds per drafted token; the row share from consecutive steps of different rows."""
+    ``conftest.CostTable``): a one-row step's seconds, an extra verify row's share of it (from
+    consecutive steps of different rows), and the drafter's seconds per drafted token."""
     policy = CostModel(StepCosts())
     batch = Batch(llm.target, policy)
     batch.add(llm.engine.begin(_prompts(llm)[3], SamplingParams(max_tokens=16, ignore_eos=True),
