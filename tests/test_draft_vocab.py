@@ -145,6 +145,34 @@ def test_sampling_law_with_a_restricted_draft(pair_llm, method):
     assert_sampled_joint_is_exact(llm, ids, _restricted(llm, method, subset))
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, seed=0), SamplingParams(temperature=1.0, top_k=5, seed=0),
+                                    SamplingParams(temperature=0.9, top_p=0.8, seed=0)])
+def test_a_subset_draft_wins_the_race_over_its_distribution_spread_on_the_vocabulary(params):
+    """A sampled draft from a restricted head races over the subset's columns only; the winner,
+    and its probability, are those of the race over the whole vocabulary with zeros outside the
+    subset (the distribution the exact rule is stated over), for ids in any order."""
+    from specdecode.drafters.base import pick_from_subvocabulary
+    from specdecode.sample.race import RaceKeys, race
+    from specdecode.sample.sampling import logits_to_probs
+    from specdecode.sequence import SequenceState
+
+    vocab = 4000
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:1500]  # ranking order, not id order
+    seq = SequenceState([1, 2, 3], 3, params, torch.Generator().manual_seed(0), None, RaceKeys(7))
+    winners = set()
+    for position in range(200):
+        logits = torch.randn(ids.numel(), generator=torch.Generator().manual_seed(position)) * 3
+        token, dist, p_token = pick_from_subvocabulary(logits, ids, vocab, seq, True, argmax=False,
+                                                       position=position, params=params)
+        full = torch.full((vocab,), -torch.inf)
+        full[ids] = logits
+        probs = logits_to_probs(full[None], params)[0]
+        assert dist is None and token == int(race(probs, seq.keys.at(position, vocab)))
+        assert p_token == pytest.approx(float(probs[token]), rel=1e-5)
+        winners.add(token)
+    assert len(winners) > 20 and winners <= set(ids.tolist())
+
+
 def test_structured_output_masks_the_subset(pair_llm):
     """A grammar's mask is read at the subset's ids; a subset without an allowed token drafts nothing."""
     from specdecode.params import Constraint

@@ -116,12 +116,16 @@ def pick_from_subvocabulary(logits: Tensor, target_ids: Tensor, vocab_size: int,
         choice = int(logits.argmax())
         p_token = float(torch.softmax(logits, -1)[choice]) if need_prob else 1.0
         return int(target_ids[choice]), None, p_token
+    if position is not None and seq.keys is not None:
+        # The race over the subset's columns: the tokens outside it have probability 0 and never
+        # win, so this is the race over the whole vocabulary, at a quarter of its cost (no scatter
+        # into a vocabulary-wide row: 0.7 against 2.6 ms a draft for 65536 of 151,936 tokens, AMD EPYC Zen 3).
+        probs = logits_to_probs(logits[None], params)[0]
+        column = int(race(probs, seq.keys.at(position, vocab_size)[target_ids]))
+        return int(target_ids[column]), None, float(probs[column])
     full = torch.full((vocab_size,), -torch.inf)
     full[target_ids] = logits
     probs = logits_to_probs(full[None], params)
-    if position is not None and seq.keys is not None:
-        token = int(race(probs[0], seq.keys.at(position, vocab_size)))
-        return token, None, float(probs[0, token])
     token = int(sample(probs, seq.generator)[0])
     return token, probs[0], float(probs[0, token])
 
