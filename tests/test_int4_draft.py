@@ -69,6 +69,45 @@ def test_a_long_input_has_the_bits_of_short_calls(tiny_models):
     assert empty.shape == (0, 96)
 
 
+def test_a_batch_of_sequences_has_the_bits_of_each_alone(tiny_models):
+    """Several requests' draft steps run as one native forward (each sequence's rows against its
+    own cache); every row's logits, keys and values have the bits of that sequence's forward alone,
+    and a batch above ``fused_batch_rows`` rows in all takes the torch layers."""
+    model = Decoder.from_dir(tiny_models["qwen2"], role="draft", quantize="int4")
+    fused = model.backend.fused
+    calls = []
+    original = fused.forward_batch
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12, 3)]
+    alone, batched = [model.new_cache(48) for _ in prompts], [model.new_cache(48) for _ in prompts]
+    for p, a, b in zip(prompts, alone, batched):
+        model.forward(p, a), model.forward(p, b)
+
+    class Spy:  # the native call, counted (pybind methods cannot be patched on the instance)
+        def __getattr__(self, name):
+            return getattr(fused, name)
+
+        def forward_batch(self, *args):
+            calls.append(sum(args[4]))
+            return original(*args)
+
+    model.backend.fused = Spy()
+    steps = [torch.tensor([5]), torch.tensor([9, 4]), torch.tensor([1])]
+    for last_only in (True, False):
+        got = model.forward_batch(list(zip(steps, batched)), last_only=last_only)
+        want = [model.forward(t, c, last_only=last_only) for t, c in zip(steps, alone)]
+        assert [g.shape for g in got] == [w.shape for w in want]
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for a, b in zip(alone, batched):
+        assert a.length == b.length and torch.equal(a.k[:, :, : a.length], b.k[:, :, : b.length])
+        assert torch.equal(a.v[:, :, : a.length], b.v[:, :, : b.length])
+    assert calls == [4, 4]
+    count = model.backend.fused_batch_rows // draft_quant.INT4_MAX_ROWS + 1  # rows of the int4 layers each
+    big = [torch.randint(0, 96, (draft_quant.INT4_MAX_ROWS,), generator=torch.Generator().manual_seed(i)) for i in range(count)]
+    got = model.forward_batch([(t, model.new_cache(48)) for t in big])
+    assert calls == [4, 4]  # too many rows for one native call: the torch layers (int8 at that many rows)
+    assert [g.shape for g in got] == [(draft_quant.INT4_MAX_ROWS, 96)] * count and all(bool(g.isfinite().all()) for g in got)
+
+
 def test_fused_forward_only_for_an_all_int4_draft(tiny_models, tmp_path):
     assert Decoder.from_dir(tiny_models["qwen2"], role="draft", quantize="int8").backend.fused is None
     assert Decoder.from_dir(tiny_models["qwen2"], role="draft").backend.fused is None

@@ -52,6 +52,7 @@ class Backend(ABC):
     chain_keys: bool
     fused: FusedForward | None = None
     fused_rows: int = 0
+    fused_batch_rows: int | None = None  # most rows, all sequences together, of one batched fused call (None: any)
     fused_chunks: bool = True
     fused_invariant: bool = False
 
@@ -178,6 +179,7 @@ class DraftQuantBackend(TorchLayers):
         super().__init__("draft", eps, kernels.LinearKernel(draft_quant.linear_draft, invariant=False))
         self.fused = fused
         self.fused_rows = draft_quant.FUSED_MAX_ROWS if fused is not None else 0
+        self.fused_batch_rows = self.fused_rows
 
     @classmethod
     def build(cls, config: ModelConfig, weights: DecoderWeights, mode: str) -> tuple["DraftQuantBackend", DecoderWeights]:

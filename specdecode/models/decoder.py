@@ -218,13 +218,16 @@ class Decoder:
         prefix an earlier request computed (``models/prefix_cache.py``).
 
         A GGUF target runs a batch of chains of up to ``fused_rows`` rows each through its native
-        forward (``gguf_forward.py``), which gives every row the layers' bits.
+        forward (``gguf_forward.py``), which gives every row the layers' bits; an int4 draft runs
+        a batch of up to ``fused_batch_rows`` rows in all through its own (``int4_forward.py``).
         """
         trees = trees or [None] * len(segments)
         captures = list(captures or ())
-        batched = getattr(self.backend.fused, "forward_batch", None)  # a GGUF target's native forward
+        backend = self.backend
+        batched = getattr(backend.fused, "forward_batch", None)  # a native forward of several sequences
         if batched is not None and len(segments) > 1 and not any(trees) and not any(c is not None for c in captures) \
-                and all(t.shape[0] <= self.backend.fused_rows for t, _ in segments):
+                and all(t.shape[0] <= backend.fused_rows for t, _ in segments) \
+                and (backend.fused_batch_rows is None or sum(t.shape[0] for t, _ in segments) <= backend.fused_batch_rows):
             counts = [t.shape[0] for t, _ in segments]
             starts = [cache.reserve(n) for n, (_, cache) in zip(counts, segments)]
             rows = self.embed_tokens(torch.cat([t for t, _ in segments]))

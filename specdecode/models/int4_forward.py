@@ -3,7 +3,9 @@
 A one-row step of a small draft spends most of its time in torch's per-op dispatch (some 40 small
 ops per layer), not in its weights; running every layer in one call removes that. It serves the
 calls of up to ``draft_quant.FUSED_MAX_ROWS`` rows of a draft whose every linear weight is
-``Int4Groups``; the draft's other calls take its torch layers.
+``Int4Groups``, and the draft steps of several requests together (``forward_batch``: a server's
+batch, whose requests then share one read of the weights); the draft's other calls take its
+torch layers.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ class FusedForward(Protocol):
         """Logits [N, V] (or [1, V]) of ``rows`` (token ids [N], or embedding rows [N, D] when the
         embedding is a GGUF table) at cache slots ``start..`` of the cache ``k``/``v``, which it fills;
         with ``head`` False, no logits (an empty [0, V]): a chunk of a long input before its last."""
+        ...
+
+    def forward_batch(self, rows: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], starts: list[int],
+                      counts: list[int], last_only: bool) -> Tensor:
+        """Logits of several sequences' ``rows`` (as ``forward``'s, ``counts[i]`` of sequence i at
+        slots ``starts[i]..`` of its own cache) in one forward: every row's, or each sequence's
+        last with ``last_only``. The weights are read once for all of them."""
         ...
 
 

@@ -546,20 +546,72 @@ class Int4Draft {
     // ``head`` false: no logits (an empty [0, V]), for the chunks of a long input before its last.
     torch::Tensor forward(const torch::Tensor& tokens, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
                           bool last_only, bool head) {
+        const int64_t n = tokens.dim() >= 1 ? tokens.size(0) : 0;
+        std::vector<int64_t> heads;
+        if (head)
+            for (int64_t r = last_only ? n - 1 : 0; r < n; ++r) heads.push_back(r);
+        return run_segments(tokens, {k_cache}, {v_cache}, {start}, {n}, heads);
+    }
+
+    // Several sequences' rows in one forward (the draft steps of a batch of requests): tokens as in
+    // ``forward``, segment i's counts[i] rows at slots starts[i].. of its own cache k_caches[i] /
+    // v_caches[i]; at most MAX_ROWS rows in all. Logits of every row, or with ``last_only`` of each
+    // segment's last, in order. The weights stream once for all the rows, which is what a draft
+    // step costs: two requests' steps in one call cost about one.
+    torch::Tensor forward_batch(const torch::Tensor& tokens, const std::vector<torch::Tensor>& k_caches,
+                                const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& starts,
+                                const std::vector<int64_t>& counts, bool last_only) {
+        std::vector<int64_t> heads;
+        int64_t row = 0;
+        for (int64_t c : counts) {
+            TORCH_CHECK(c > 0, "every segment needs rows");
+            for (int64_t r = last_only ? row + c - 1 : row; r < row + c; ++r) heads.push_back(r);
+            row += c;
+        }
+        return run_segments(tokens, k_caches, v_caches, starts, counts, heads);
+    }
+
+  private:
+    struct Segment {  // one sequence's rows row0 .. row0 + n - 1, at its cache's slots start ..
+        float *k = nullptr, *v = nullptr;
+        int64_t capacity = 0, start = 0, row0 = 0, n = 0;
+    };
+
+    struct State {  // one forward's buffers, shared by its threads
+        int64_t n = 0;
+        std::vector<Segment> segments;
+        std::vector<int64_t> heads;  // the rows whose logits are asked for
+        std::vector<float> x, qkv, attn, act;
+    };
+
+    torch::Tensor run_segments(const torch::Tensor& tokens, const std::vector<torch::Tensor>& k_caches,
+                               const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& starts,
+                               const std::vector<int64_t>& counts, const std::vector<int64_t>& heads) {
         const bool embedded = tokens.scalar_type() == torch::kFloat32;
-        const int64_t n = tokens.size(0), D = hidden_;
-        const int64_t capacity = k_cache.size(2), end = start + n;
-        TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == (int64_t)layers_.size()
-                        && k_cache.size(1) == kv_heads_ && k_cache.size(3) == head_dim_ && v_cache.sizes() == k_cache.sizes(),
-                    "bad kv cache");
-        TORCH_CHECK(start >= 0 && end <= capacity && end <= cos_.size(0), "slots past the cache");
+        const int64_t n = tokens.dim() >= 1 ? tokens.size(0) : 0, D = hidden_;
         TORCH_CHECK(embedded ? tokens.dim() == 2 && tokens.size(1) == D && n > 0
                              : tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && n > 0 && embed_.numel(),
                     "tokens must be [n > 0] int64, or [n > 0, hidden] float32 embeddings");
         TORCH_CHECK(n <= MAX_ROWS, "at most ", MAX_ROWS, " rows");
-        const torch::Tensor ids = tokens.contiguous();
+        TORCH_CHECK(k_caches.size() == counts.size() && v_caches.size() == counts.size() && starts.size() == counts.size(),
+                    "one cache, start and count per segment");
         State s;
-        s.n = n, s.start = start, s.capacity = capacity;
+        s.n = n, s.heads = heads;
+        int64_t row = 0;
+        for (size_t i = 0; i < counts.size(); ++i) {
+            const torch::Tensor &k = k_caches[i], &v = v_caches[i];
+            TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 4 && k.size(0) == static_cast<int64_t>(layers_.size())
+                            && k.size(1) == kv_heads_ && k.size(3) == head_dim_ && v.sizes() == k.sizes()
+                            && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+                        "bad kv cache");
+            const Segment seg{k.data_ptr<float>(), v.data_ptr<float>(), k.size(2), starts[i], row, counts[i]};
+            TORCH_CHECK(seg.n > 0 && seg.start >= 0 && seg.start + seg.n <= seg.capacity && seg.start + seg.n <= cos_.size(0),
+                        "slots past the cache");
+            s.segments.push_back(seg);
+            row += seg.n;
+        }
+        TORCH_CHECK(row == n, "the segments' rows must add up to the tokens'");
+        const torch::Tensor ids = tokens.contiguous();
         s.x.resize(n * D);
         if (embedded) {
             std::copy_n(ids.data_ptr<float>(), n * D, s.x.data());
@@ -570,26 +622,17 @@ class Int4Draft {
                 std::copy_n(embed_.data_ptr<float>() + tok[r] * D, D, s.x.data() + r * D);
             }
         }
-        const int64_t first = !head ? n : last_only ? n - 1 : 0;
-        auto logits = torch::empty({n - first, lm_head_.out}, norm_.options());
-        s.k = k_cache.data_ptr<float>(), s.v = v_cache.data_ptr<float>();
+        auto logits = torch::empty({static_cast<int64_t>(heads.size()), lm_head_.out}, norm_.options());
         const int64_t inter = layers_.empty() ? 0 : layers_[0].down.in;
         s.qkv.resize(n * (heads_ + 2 * kv_heads_) * head_dim_), s.attn.resize(n * heads_ * head_dim_), s.act.resize(n * inter);
         const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
-        run(s, omp_get_thread_num(), omp_get_num_threads(), first, logits.data_ptr<float>());
+        run(s, omp_get_thread_num(), omp_get_num_threads(), logits.data_ptr<float>());
         return logits;
     }
 
-  private:
-    struct State {  // one forward's buffers, shared by its threads
-        int64_t n = 0, start = 0, capacity = 0;
-        float *k = nullptr, *v = nullptr;
-        std::vector<float> x, qkv, attn, act;
-    };
-
     // One thread's part of the forward; every thread of the team runs it.
-    void run(State& s, int t, int T, int64_t first, float* logits) const {
+    void run(State& s, int t, int T, float* logits) const {
         const int64_t n = s.n, D = hidden_, d = head_dim_, hq = heads_, hkv = kv_heads_;
         const int64_t width = (hq + 2 * hkv) * d, inter = layers_.empty() ? 0 : layers_[0].down.in;
         const float scale = 1.f / std::sqrt(static_cast<float>(d));
@@ -599,10 +642,9 @@ class Int4Draft {
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t o = 0; o < TILE; ++o) s.x[r * D + i * TILE + o] += y[r][o];
         };
+        const int64_t tasks = static_cast<int64_t>(s.segments.size()) * hkv;  // (segment, kv head)
         for (size_t li = 0; li < layers_.size(); ++li) {
             const Layer& L = layers_[li];
-            float* kc = s.k + li * hkv * s.capacity * d;
-            float* vc = s.v + li * hkv * s.capacity * d;
             rms_rows(s.x.data(), L.in_norm, n, D, eps_, h.data());
             a.set(h.data(), n, D);
             run_share(L.qkv, a, t, T, [&](int64_t i, float (*y)[TILE]) {
@@ -610,10 +652,13 @@ class Int4Draft {
                 for (int64_t r = 0; r < n; ++r) std::copy_n(y[r], cols, s.qkv.data() + r * width + i * TILE);
             });
 #pragma omp barrier
-            for (int64_t g = hkv * t / T; g < hkv * (t + 1) / T; ++g)  // this thread's kv heads
-                attention::rope_write_attend(s.qkv.data(), width, n, s.start, g, hq, hkv, d, L.qkv_bias, cos_.data_ptr<float>(),
-                                             sin_.data_ptr<float>(), kc + g * s.capacity * d, vc + g * s.capacity * d, scale,
-                                             s.attn.data(), scores);
+            for (int64_t task = tasks * t / T; task < tasks * (t + 1) / T; ++task) {  // this thread's
+                const Segment& seg = s.segments[task / hkv];
+                const int64_t g = task % hkv, slot0 = (li * hkv + g) * seg.capacity;
+                attention::rope_write_attend(s.qkv.data() + seg.row0 * width, width, seg.n, seg.start, g, hq, hkv, d,
+                                             L.qkv_bias, cos_.data_ptr<float>(), sin_.data_ptr<float>(), seg.k + slot0 * d,
+                                             seg.v + slot0 * d, scale, s.attn.data() + seg.row0 * hq * d, scores);
+            }
 #pragma omp barrier
             a.set(s.attn.data(), n, hq * d);
             run_share(L.o, a, t, T, add_to_x);
@@ -629,9 +674,9 @@ class Int4Draft {
             run_share(L.down, a, t, T, add_to_x);
 #pragma omp barrier
         }
-        const int64_t m = n - first, V = lm_head_.out;
+        const int64_t m = static_cast<int64_t>(s.heads.size()), V = lm_head_.out;
         if (m == 0) return;
-        rms_rows(s.x.data() + first * D, norm_.data_ptr<float>(), m, D, eps_, h.data());
+        for (int64_t i = 0; i < m; ++i) rms_rows(s.x.data() + s.heads[i] * D, norm_.data_ptr<float>(), 1, D, eps_, h.data() + i * D);
         a.set(h.data(), m, D);
         run_share(lm_head_, a, t, T, [&](int64_t i, float (*y)[TILE]) {
             for (int64_t r = 0; r < m; ++r)
@@ -657,5 +702,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             torch::Tensor, std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>>())
         .def("forward", &Int4Draft::forward, "logits of a few decode rows, writing their keys and values",
              pybind11::arg("tokens"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("start"),
-             pybind11::arg("last_only"), pybind11::arg("head") = true);
+             pybind11::arg("last_only"), pybind11::arg("head") = true)
+        .def("forward_batch", &Int4Draft::forward_batch, "logits of several sequences' rows in one forward",
+             pybind11::arg("tokens"), pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("starts"),
+             pybind11::arg("counts"), pybind11::arg("last_only"));
 }
