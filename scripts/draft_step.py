@@ -16,6 +16,12 @@ alternating in one process:
 
     python scripts/draft_step.py --quantize int4 --rows 1 --vocab 8192,16384,32768,65536
     python scripts/draft_step.py --quantize int4 --rows 1 --vocab 65536 --target qwen2.5-coder-1.5b-instruct
+
+With ``--requests``, it times one draft step of N requests at once (one row each, each its own
+cache, as a server's batch drafts): an int4 draft's native forward of all of them
+(``Int4Draft.forward_batch``) against the same rows through its torch layers, alternating:
+
+    python scripts/draft_step.py --quantize int4 --requests 1,2,4,8
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ def main() -> None:
     p.add_argument("--target", help="also time one step of this target (its GGUF run natively)")
     p.add_argument("--last-only", action="store_true",
                    help="time each call as a prompt's prefill or a catch-up runs: logits of its last row only")
+    p.add_argument("--requests", help="comma-separated request counts: time one draft step of that many requests")
     args = p.parse_args()
     model = Decoder.from_dir(resolve_model(args.draft), role="draft",
                              quantize=None if args.quantize == "none" else args.quantize)
@@ -63,6 +70,10 @@ def main() -> None:
             return elapsed
 
         target_step = one_target_step
+
+    if args.requests is not None:
+        time_requests(model, [int(n) for n in args.requests.split(",")], args.context, args.repeat)
+        return
 
     if args.vocab is not None:
         time_heads(model, cache, [int(n) for n in args.vocab.split(",")], args.rows, args.repeat, target_step)
@@ -94,6 +105,30 @@ def main() -> None:
             target_ms = sorted(times[None])[args.repeat // 2] * 1e3
             line += f"; target step {target_ms:.1f} ms: {names[0]} = {fast_ms / target_ms:.2f}x"
         print(line)
+
+
+def time_requests(model: Decoder, counts: list[int], context: int, repeat: int) -> None:
+    """Median time of one draft step of n requests (a row each, ``context`` tokens in each cache):
+    through the native batched forward (where the draft has one) and through the torch layers."""
+    slow = model.with_backend(model.backend.layered())
+    for n in counts:
+        caches = [model.new_cache(context + 8) for _ in range(n)]
+        for i, cache in enumerate(caches):
+            model.forward(torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(i)), cache, last_only=True)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(repeat):
+            for fast in (True, False):
+                start = time.perf_counter()
+                m = model if fast else slow
+                if n == 1:  # a lone request's step: the forward a batch of one takes
+                    m.forward(torch.tensor([5]), caches[0])
+                else:
+                    m.forward_batch([(torch.tensor([5]), c) for c in caches])
+                times[fast].append(time.perf_counter() - start)
+                for cache in caches:
+                    cache.trim(1)
+        native, layers = (sorted(times[f])[repeat // 2] * 1e3 for f in (True, False))
+        print(f"{n} request(s): native forward {native:.1f} ms, torch layers {layers:.1f} ms")
 
 
 def time_heads(model: Decoder, cache: KVCache, sizes: list[int], rows_list: str, repeat: int,
