@@ -322,3 +322,37 @@ def test_a_run_measures_the_costs_its_policy_plans_on(llm):
     assert costs.verify_measured and costs.step_s > 0
     assert costs.row_share != ROW_SHARE_PRIOR and 0 <= costs.row_share <= MAX_SHARE
     assert costs.draft_token_steps.get("draft_model", 0) > 0
+
+
+def test_a_shared_forward_is_charged_evenly_and_recorded_as_the_lone_forward_it_stands_for(monkeypatch):
+    """Two requests' calls in one forward: each is charged half its time (its stats), and the
+    policy's record counts it as the lone forward it replaced, the forward's time over
+    ``shared_forward(2)``; a call alone counts its whole time in both."""
+    from specdecode.drafters.base import ModelCall
+    from specdecode.engine import drafting
+    from specdecode.engine.costs import shared_forward
+
+    clock = [0.0]
+    monkeypatch.setattr(drafting.time, "perf_counter", lambda: clock[0])
+
+    class Model:  # a forward takes 0.06 s of the fake clock; the coroutines' own steps take none
+        def forward(self, tokens, cache, last_only=False):
+            clock[0] += 0.06
+            return torch.zeros(1, 4)
+
+        def forward_batch(self, segments, last_only=False):
+            clock[0] += 0.06
+            return [torch.zeros(1, 4) for _ in segments]
+
+    model = Model()
+
+    def coroutine():
+        yield ModelCall(model, torch.tensor([1]), None)
+        return DraftProposal(torch.tensor([1]), None)
+
+    pair, alone = [DraftWork(coroutine()), DraftWork(coroutine())], [DraftWork(coroutine())]
+    draft_all(pair)
+    draft_all(alone)
+    assert [w.seconds for w in pair] == pytest.approx([0.03, 0.03])
+    assert [w.solo_s for w in pair] == pytest.approx([0.06 / shared_forward(2)] * 2)
+    assert alone[0].seconds == pytest.approx(0.06) and alone[0].solo_s == pytest.approx(0.06)

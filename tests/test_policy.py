@@ -4,12 +4,16 @@ and learns from the steps it is told about. Pure: no model runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from specdecode.engine.costs import ROW_SHARE_PRIOR, SHARE_CLIP, SHARE_EMA, RequestOutcome, RequestSpeculation, StepCosts, StepTimes
-from specdecode.engine.policy import MARGIN, PRIOR_ACCEPTANCE, PROBE_AFTER_MAX, PROBE_K, CostModel, DraftRequest, FixedK
+from specdecode.engine import costs as costs_module, policy as policy_module
+from specdecode.engine.costs import (ROW_SHARE_PRIOR, SHARE_CLIP, SHARE_EMA, RequestOutcome, RequestSpeculation, StepCosts, StepTimes,
+                                     shared_forward)
+from specdecode.engine.policy import (MARGIN, PRIOR_ACCEPTANCE, PROBE_AFTER_MAX, PROBE_K, CostModel, DraftRequest, FixedK,
+                                      _draft_seconds)
 
 STEP = 0.040  # one verify row, seconds
 
@@ -58,22 +62,53 @@ def test_free_drafts_pay_at_lower_acceptance_than_model_drafts():
     assert free[0] > 0 and paid == [0]
 
 
-def test_a_solo_and_a_batched_request_get_the_same_k_at_equal_costs():
+def test_a_solo_and_a_batched_request_get_the_same_k_at_equal_costs(monkeypatch):
     """Where neither the verify forward nor the draft forward grows with its rows (both
-    bandwidth-bound), four requests share each forward: each is measured a quarter of a drafted
-    token's cost (``drafting.py`` charges an even share) and gets the K it gets alone."""
-    solo = CostModel(_costs(row_s=0.0, draft_s=0.004)).draft_lengths([_request(0.7)])
-    batched = CostModel(_costs(row_s=0.0, draft_s=0.001)).draft_lengths([_request(0.7) for _ in range(4)])
+    bandwidth-bound: a shared draft forward costs one lone forward however many requests join
+    it), four requests share each verify and draft forward: the step's cost per request is a
+    quarter of a lone request's, so each gets the K it gets alone."""
+    monkeypatch.setattr(policy_module, "DRAFT_REQUEST_SHARE", 0.0)
+    monkeypatch.setattr(costs_module, "DRAFT_REQUEST_SHARE", 0.0)
+    costs = _costs(row_s=0.0, draft_s=0.004)
+    solo = CostModel(costs).draft_lengths([_request(0.7, shared=True)])
+    batched = CostModel(costs).draft_lengths([_request(0.7, shared=True) for _ in range(4)])
     assert solo[0] > 0 and batched == solo * 4
 
 
 def test_a_shared_draft_forward_is_counted_once():
-    """Eight requests whose measured share of the draft model's forwards (8 ms each, a 64 ms
-    forward over 8 rows) and a quarter-step verify row outweigh what a 0.9 draft adds to an
-    8-row step: none drafts, though the same costs pay for a request alone."""
-    costs = _costs(row_s=0.010, draft_s=0.008)
-    assert CostModel(costs).draft_lengths([_request(0.9) for _ in range(8)]) == [0] * 8
-    assert CostModel(costs).draft_lengths([_request(0.9)])[0] > 0
+    """A step's draft seconds count one forward per depth for all the requests of a shared
+    model drafting that deep, ``shared_forward`` lone forwards for m of them; a drafter that
+    shares nothing pays per token. Eight requests whose shared forward (2.4 lone forwards of
+    16 ms) and quarter-step verify rows outweigh what a 0.9 draft adds to an 8-row step draft
+    nothing, though the same costs pay for a request alone."""
+    costs = _costs(row_s=0.010, draft_s=0.016)
+    shared = [_request(0.9, shared=True) for _ in range(3)]
+    lone = shared_forward(1)
+    assert _draft_seconds(shared, [3, 1, 0], costs) == pytest.approx(0.016 * (shared_forward(2) + 2 * lone))
+    assert _draft_seconds([_request(0.9) for _ in range(3)], [3, 1, 0], costs) == pytest.approx(0.016 * 4)
+    assert CostModel(costs).draft_lengths([_request(0.9, shared=True) for _ in range(8)]) == [0] * 8
+    assert CostModel(costs).draft_lengths([_request(0.9, shared=True)])[0] > 0
+
+
+def test_two_requests_of_a_shared_draft_model_start_a_depth_together():
+    """Beside another request a draft costs a whole draft forward and a row for one token more,
+    below the two requests' plain rate; the same depth for both costs 1.2 forwards and two rows
+    for two tokens more, which pays: they draft together, where requests that share nothing
+    (or each alone in turn) would not draft at all."""
+    costs = _costs(row_s=0.004, draft_s=0.016)
+    together = CostModel(costs).draft_lengths([_request(0.85, shared=True), _request(0.85, shared=True)])
+    apart = CostModel(costs).draft_lengths([_request(0.85), _request(0.85)])
+    assert apart == [0, 0] and together[0] == together[1] > 0
+
+
+def test_a_request_joining_a_deeper_forward_pays_a_share_of_it():
+    """A request whose neighbour drafts 6 deep anyway (a fixed K) joins those forwards for a
+    fifth of a lone one each, so it drafts deeper than it would with nobody to share them."""
+    costs = _costs(row_s=0.004, draft_s=0.016)
+    fixed = _request(0.9, k_max=6, adaptive=False, shared=True)
+    joined = CostModel(costs).draft_lengths([fixed, _request(0.75, shared=True)])[1]
+    alone = CostModel(costs).draft_lengths([dataclasses.replace(fixed, shared=False), _request(0.75)])[1]
+    assert joined > alone
 
 
 def test_a_busier_step_drafts_less_per_request_when_rows_cost_compute():

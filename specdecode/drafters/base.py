@@ -76,6 +76,7 @@ class DraftSource:
     stop: Callable[[float | None], None] | None = None
     # the acceptance it starts from before any of its drafts were verified; None: the policy's
     acceptance_prior: float | None = None
+    shared: bool = False  # its model calls join other requests' in one forward (``Drafter.shares_forwards``)
 
 
 def copy_source(name: str, tokens: list[int], acceptance_prior: float | None = None) -> DraftSource:
@@ -155,6 +156,8 @@ class Drafter(ABC):
     the drafter gets them through ``observe_hidden`` (trained heads). ``stops_by_confidence``:
     its drafts come with their probabilities and it stops once their product falls below
     ``confidence``, which the policy sets each step (``set_confidence``; SpecDec++).
+    ``shares_forwards``: its drafting is model calls that the step loop runs as one forward for
+    every request drafting at once (``engine/drafting.py``), which the policy prices as shared.
     """
 
     name: ClassVar[str]
@@ -163,6 +166,7 @@ class Drafter(ABC):
     needs_hidden_states: ClassVar[bool] = False
     hidden_layers: tuple[int, ...] = ()
     stops_by_confidence: ClassVar[bool] = False
+    shares_forwards: ClassVar[bool] = False
     confidence: float = 0.0  # the stop in force (``set_confidence``)
     _own_confidence: float | None = None  # the drafter's configured stop, once a step has set another
 
@@ -185,7 +189,8 @@ class Drafter(ABC):
         prefer at equal merit first; the step loop asks just before drafting. The default: the
         drafter itself, at its cost prior, catch-up and confidence stop."""
         stop = self.set_confidence if self.stops_by_confidence else None
-        return (DraftSource(self.name, self.draft_cost_prior, self.drafting, catch_up=self.catch_up(seq), stop=stop),)
+        return (DraftSource(self.name, self.draft_cost_prior, self.drafting, catch_up=self.catch_up(seq), stop=stop,
+                            shared=self.shares_forwards),)
 
     def set_confidence(self, confidence: float | None) -> None:
         """Stop the coming drafts once the product of their probabilities falls below

@@ -51,6 +51,7 @@ class DraftModelDrafter(Drafter):
     name: ClassVar[str] = "draft_model"
     draft_cost_prior: ClassVar[float] = 0.3  # an int4 0.5B draft's step against the 1.5B target's (0.24 on Zen 4)
     stops_by_confidence: ClassVar[bool] = True
+    shares_forwards: ClassVar[bool] = True
 
     def __init__(self, draft: Decoder, target_vocab_size: int, capacity: int, confidence: float = 0.0,
                  prefixes: PrefixCache | None = None, temperature: float | None = None) -> None:

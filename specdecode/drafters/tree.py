@@ -57,6 +57,7 @@ class TokenTrie:
 class TreeDrafter(Drafter):
     name: ClassVar[str] = "tree"
     draft_cost_prior: ClassVar[float] = 0.3  # the draft model's chain
+    shares_forwards: ClassVar[bool] = True  # its chain is the draft model's calls
 
     def __init__(self, draft: DraftModelDrafter, branch_positions: int = 2, ngram_branches: int = 2,
                  max_nodes: int = 16, sibling_below: float = 0.8, ngram_min: int = 2, ngram_max: int = 4) -> None:

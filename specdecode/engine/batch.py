@@ -245,7 +245,7 @@ class Batch:
                     work, source = works.get(m), sources[m]
                     step.requests.append(RequestOutcome(source.name, gen.speculation_for(source.name),
                                                         gen.proposal.depth, gen.accepted,
-                                                        work.seconds - work.catch_up_s if work else 0.0))
+                                                        work.solo_s - work.catch_up_s if work else 0.0))
                     gen.stats.free_drafts += bool(gen.proposal.k) and source.cost_prior == 0
                 if m in traced:
                     traced[m].drafted, traced[m].accepted = gen.proposal.k, gen.accepted
@@ -310,4 +310,4 @@ def _draft_request(gen: Generation, source: DraftSource) -> DraftRequest:
     return DraftRequest(source.name, k_max, gen.draft_room(), gen.adaptive, source.catch_up,
                         min(seq.params.max_tokens - seq.num_generated, HORIZON), gen.speculation_for(source.name),
                         source.cost_prior, confident=source.stop is not None,
-                        acceptance_prior=source.acceptance_prior)
+                        acceptance_prior=source.acceptance_prior, shared=source.shared)

@@ -10,8 +10,11 @@ alone because it slows both. A step alone cannot tell a slower machine from dear
 from each step against the level, a share measured high in a slow spell would hold the policy
 at the row count it then picks, whose steps would confirm the share through the level they set,
 down to plain steps for good (tests/test_policy.py has such spells). Drafting is
-kept per method as the cost of a drafted token, and a draft model's catch-up (feeding tokens
-it missed, a prefill) by its size, both in one-row steps too, so load moves the level alone.
+kept per method as the cost of a drafted token to a request drafting alone, and a draft model's
+catch-up (feeding tokens it missed, a prefill) by its size, both in one-row steps too, so load
+moves the level alone. The requests of a step that draft with one model share its forwards (one
+per draft depth, ``drafting.py``), which cost ``shared_forward(m)`` lone forwards for m
+requests: a request's share of such a forward is recorded as the lone forward it stands for.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ SHARE_EMA = 0.1  # the same for a pair of steps' row share: one pair is noisy (a
 SHARE_CLIP = 0.1
 MAX_SHARE = 1.0  # most a pair may say an extra row costs, in one-row steps (a whole step)
 PROBE_AFTER = 16  # steps at K = 0 before a request re-measures its acceptance (policy.py)
+# What each further request adds to a draft-model forward shared by a step's requests, in lone
+# forwards: one int4 draft step of 2 / 4 / 8 requests took 0.97 / 1.52 / 2.70 of one request's
+# (`python scripts/draft_step.py --quantize int4 --requests 1,2,4,8`, AMD EPYC Zen 3, AVX2): its
+# weights stream once for all of them, and from a few rows on its rows cost integer compute.
+DRAFT_REQUEST_SHARE = 0.2
 # Where the row share starts: the quantized target's extra rows cost about 0.2 of a one-row step
 # on VNNI and 0.2-0.3 on AVX2 (`specdecode verify-cost`, docs/GGUF_NATIVE.md).
 ROW_SHARE_PRIOR = 0.25
@@ -69,7 +77,7 @@ class RequestOutcome:
     state: RequestSpeculation
     drafted: int = 0  # positions drafted (a tree's depth)
     accepted: int = 0
-    draft_s: float = 0.0  # drafting time charged to this request, catch-ups excluded
+    draft_s: float = 0.0  # this request's drafting time as if alone (``shared_forward``), catch-ups excluded
 
     @property
     def decided(self) -> int:
@@ -111,8 +119,8 @@ class StepCosts:
         return 1.0 + self.row_share * max(rows - 1, 0)
 
     def draft_token(self, request: DraftCostKey) -> float:
-        """Seconds per drafted token of the request's method: its measured share of a one-row
-        step (until measured, its drafter's prior) times that step."""
+        """Seconds per drafted token of the request's method, drafting alone: its measured share
+        of a one-row step (until measured, its drafter's prior) times that step."""
         return self.draft_token_steps.get(request.method, request.draft_cost_prior) * self.verify(1)
 
     def catch_up(self, tokens: int) -> float:
@@ -155,6 +163,11 @@ class StepCosts:
             if outcome.drafted:
                 per_token = outcome.draft_s / outcome.drafted / unit
                 self.draft_token_steps[outcome.method] = _ema(self.draft_token_steps.get(outcome.method), per_token)
+
+
+def shared_forward(requests: int) -> float:
+    """A draft-model forward shared by ``requests`` requests (one row each), in lone forwards."""
+    return 1.0 + DRAFT_REQUEST_SHARE * max(requests - 1, 0)
 
 
 def _pair_share(a: tuple[int, float], b: tuple[int, float]) -> float | None:

@@ -6,7 +6,9 @@ model calls it needs. Calls on one model in the same round run as one batched fo
 model has); a catch-up call (a prompt, or tokens missed while drafting was off) runs alone on
 the model's prefill path. A drafter that fails, or whose shared forward fails, fails only its
 own requests. Each request is charged its own drafting time plus an even share of the shared
-forwards it was part of; catch-ups are timed apart, for the speculation policy.
+forwards it was part of (``seconds``, its stats); for the speculation policy, which prices a
+shared forward itself, a share stands for the lone forward it replaced (``solo_s``: the forward's
+time over ``costs.shared_forward`` of its requests). Catch-ups are timed apart.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from specdecode.drafters.base import CATCH_UP_TOKENS, Drafting, ModelCall
+from specdecode.engine.costs import shared_forward
 from specdecode.sequence import DraftProposal
 
 
@@ -30,6 +33,7 @@ class DraftWork:
     proposal: DraftProposal | None = None
     error: Exception | None = None
     seconds: float = 0.0  # drafting time charged to the request, catch-ups included
+    solo_s: float = 0.0  # the same, each shared forward counted as the lone forward it stands for
     catch_ups: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per catch-up
 
     @property
@@ -70,6 +74,7 @@ def _run_group(group: list[DraftWork]) -> None:
     seconds = time.perf_counter() - t0
     for work, rows in zip(group, logits):
         work.seconds += seconds / len(group)
+        work.solo_s += seconds / shared_forward(len(group))
         if calls[0].tokens.numel() > CATCH_UP_TOKENS:
             work.catch_ups.append((int(calls[0].tokens.numel()), seconds))
         _advance(work, rows)
@@ -83,4 +88,6 @@ def _advance(work: DraftWork, logits: Tensor | None) -> None:
         work.call, work.proposal = None, done.value
     except Exception as exc:  # noqa: BLE001 - fails this request only
         work.call, work.error = None, exc
-    work.seconds += time.perf_counter() - t0
+    own = time.perf_counter() - t0
+    work.seconds += own
+    work.solo_s += own

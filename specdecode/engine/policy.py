@@ -26,9 +26,10 @@ once to re-measure (the wait doubles while drafting stays off), paying its draft
 the tokens it missed when that is cheap beside the request's remaining time
 (``PROBE_CATCH_UP_SHARE``), and only in a step where a draft could pay at a sure drafter's
 acceptance: in a busy step every request waits for a probe's catch-up and rows. A drafted
-token costs what its request was charged (``drafting.py``: its own time and an even share of
-the draft forwards it joined), and a confident drafter's reach is priced in the step as
-planned. No output depends on the choice: greedy tokens are argmaxes and sampled ones win races
+token costs what it costs a request drafting alone (``drafting.py`` records a share of a shared
+forward as the lone forward it stands for), a draft model's forwards, which a step's requests
+share, cost one per depth for all the requests drafting that deep (``costs.shared_forward``),
+and a confident drafter's reach is priced in the step as planned. No output depends on the choice: greedy tokens are argmaxes and sampled ones win races
 keyed by their position (``sample/race.py``), so every request, seeded or not, is planned on
 measured costs.
 
@@ -41,10 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdecode.engine.costs import PROBE_AFTER, REFERENCE_COSTS, Costs, RequestSpeculation, StepCosts, StepTimes
+from specdecode.engine.costs import (DRAFT_REQUEST_SHARE, PROBE_AFTER, REFERENCE_COSTS, Costs, RequestSpeculation, StepCosts,
+                                     StepTimes, shared_forward)
 
 PROBE_AFTER_MAX = 1024
 PROBE_K = 2
@@ -88,6 +91,7 @@ class DraftRequest:
     draft_cost_prior: float = 0.0  # a drafted token's cost as a share of a step, until measured
     confident: bool = False  # its drafter stops by its own confidence, at a threshold the policy sets
     acceptance_prior: float | None = None  # its method's acceptance until measured (None: PRIOR_ACCEPTANCE)
+    shared: bool = False  # its drafts join the step's other requests of its method in one forward per depth
 
     @property
     def limit(self) -> int:
@@ -203,7 +207,7 @@ class CostModel(SpeculationPolicy):
             if r.confident and r.adaptive and ks[i]:
                 sure[i] = self._k_among(requests, ks, i, max(acceptance(r), CONFIDENT_ACCEPTANCE))
         tokens = sum(_expected(acceptance(q), j) for q, j in zip(requests, ks))
-        seconds = costs.verify(rows) + sum(costs.draft_token(q) * j for q, j in zip(requests, ks))
+        seconds = costs.verify(rows) + _draft_seconds(requests, ks, costs)
         row_cost = costs.verify(rows + 1) - costs.verify(rows)
         plans: list[tuple[int, float | None]] = []
         for i, (r, k) in enumerate(zip(requests, ks)):
@@ -284,32 +288,90 @@ class CostModel(SpeculationPolicy):
 
 
 def _allocate(requests: Sequence[DraftRequest], costs: Costs, acceptance: Callable[[DraftRequest], float]) -> list[int]:
-    """Draft lengths for ``requests`` verified together: drafts added one at a time, best expected
-    tokens per second first, while each adds more than the step makes at its current rate. A
-    drafted token costs what it was measured to cost its request: its own drafting time plus
-    an even share of the draft-model forwards it took part in (``drafting.py``), so a forward
-    that serves many requests already costs each of them less and is not discounted again."""
+    """Draft lengths for ``requests`` verified together: drafts added a move at a time, best
+    expected tokens per second first, while each move adds more than the step makes at its
+    current rate. A move is one request's next draft, or, for a model whose forwards the step's
+    requests share (``DraftRequest.shared``), the next depth for several of its requests at once:
+    a depth that no request drafts yet costs a lone forward for the first and
+    ``DRAFT_REQUEST_SHARE`` of one for each other (``shared_forward``), so two requests that pay
+    only together start it together. A drafted token's cost is what it costs a request drafting
+    alone (``costs.py``)."""
     ks = [r.limit if not r.adaptive else 0 for r in requests]
     rows = len(requests) + sum(ks)
     tokens = sum(_expected(acceptance(r), k) for r, k in zip(requests, ks))
-    seconds = costs.verify(rows) + sum(costs.draft_token(r) * k for r, k in zip(requests, ks))
+    seconds = costs.verify(rows) + _draft_seconds(requests, ks, costs)
     while True:
-        best, best_gain, best_cost = -1, 0.0, 1.0
-        for i, r in enumerate(requests):
-            if not r.adaptive or ks[i] >= r.limit:
-                continue
-            gain = acceptance(r) ** (ks[i] + 1)
-            cost = costs.draft_token(r) + costs.verify(rows + 1) - costs.verify(rows)
-            if ks[i] == 0 and r.catch_up:
-                cost += _catch_up(costs, r) / max(r.remaining / (1 + gain), 1.0)  # over the steps left
-            if best < 0 or gain * best_cost > best_gain * cost:
-                best, best_gain, best_cost = i, gain, cost
-        if best < 0 or best_gain * seconds <= MARGIN * tokens * best_cost:
+        move, gain, cost = _best_move(requests, ks, rows, costs, acceptance)
+        if not move or gain * seconds <= MARGIN * tokens * cost:
             return ks
-        ks[best] += 1
-        rows += 1
-        tokens += best_gain
-        seconds += best_cost
+        for i in move:
+            ks[i] += 1
+        rows += len(move)
+        tokens += gain
+        seconds += cost
+
+
+def _best_move(requests: Sequence[DraftRequest], ks: Sequence[int], rows: int, costs: Costs,
+               acceptance: Callable[[DraftRequest], float]) -> tuple[list[int], float, float]:
+    """The move (requests whose K grows by one) of best expected tokens per second, its expected
+    tokens and its seconds; an empty move when no request may draft more. Ties go to single
+    requests, then to the earlier one."""
+    best: list[int] = []
+    best_gain, best_cost = 0.0, 1.0
+
+    def consider(move: list[int], gain: float, cost: float) -> None:
+        nonlocal best, best_gain, best_cost
+        if not best or gain * best_cost > best_gain * cost:
+            best, best_gain, best_cost = move, gain, cost
+
+    def first_draft(i: int, gain: float) -> float:  # a catch-up, spread over the steps left
+        r = requests[i]
+        return _catch_up(costs, r) / max(r.remaining / (1 + gain), 1.0) if ks[i] == 0 and r.catch_up else 0.0
+
+    def open_to(i: int) -> bool:
+        return requests[i].adaptive and ks[i] < requests[i].limit
+
+    deepest: dict[str, int] = defaultdict(int)  # per shared model: the deepest draft planned
+    for r, k in zip(requests, ks):
+        if r.shared:
+            deepest[r.method] = max(deepest[r.method], k)
+    for i, r in enumerate(requests):
+        if not open_to(i):
+            continue
+        gain = acceptance(r) ** (ks[i] + 1)
+        joins = r.shared and deepest[r.method] > ks[i]  # another request's forward at that depth
+        draft = costs.draft_token(r) * (DRAFT_REQUEST_SHARE if joins else 1.0)
+        consider([i], gain, draft + costs.verify(rows + 1) - costs.verify(rows) + first_draft(i, gain))
+    for method, depth in deepest.items():  # a new depth for several requests at once
+        level = sorted((i for i, r in enumerate(requests) if r.shared and r.method == method and ks[i] == depth
+                        and open_to(i)), key=lambda i: -acceptance(requests[i]))
+        gain = catch_ups = 0.0
+        for size, i in enumerate(level, 1):
+            g = acceptance(requests[i]) ** (depth + 1)
+            gain += g
+            catch_ups += first_draft(i, g)
+            if size > 1:
+                draft = costs.draft_token(requests[i]) * shared_forward(size)
+                consider(level[:size], gain, draft + costs.verify(rows + size) - costs.verify(rows) + catch_ups)
+    return best, best_gain, best_cost
+
+
+def _draft_seconds(requests: Sequence[DraftRequest], ks: Sequence[int], costs: Costs) -> float:
+    """Drafting seconds of a step in which request i drafts ``ks[i]``: a request's drafted tokens
+    at their cost alone, and those of shared models' requests as one forward per depth for all
+    of a method's requests drafting that deep (``shared_forward``)."""
+    total = 0.0
+    depths: dict[str, list[int]] = defaultdict(list)
+    unit: dict[str, float] = {}
+    for r, k in zip(requests, ks):
+        if r.shared:
+            depths[r.method].append(k)
+            unit[r.method] = costs.draft_token(r)
+        else:
+            total += costs.draft_token(r) * k
+    for method, kk in depths.items():
+        total += unit[method] * sum(shared_forward(sum(k >= j for k in kk)) for j in range(1, max(kk) + 1))
+    return total
 
 
 def _catch_up(costs: Costs, r: DraftRequest) -> float:
