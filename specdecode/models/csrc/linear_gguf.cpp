@@ -38,6 +38,7 @@
 
 #include "attention.h"
 #include "lanes.h"
+#include "segments.h"
 
 namespace {
 
@@ -1136,8 +1137,7 @@ class GGUFForward {
                           bool head) {
         const int64_t n = x.dim() == 2 ? x.size(0) : 0;
         std::vector<int64_t> heads;
-        if (head)
-            for (int64_t r = last_only ? n - 1 : 0; r < n; ++r) heads.push_back(r);
+        if (head) heads = segments::head_rows({n}, last_only);
         return run_segments(x, {k_cache}, {v_cache}, {start}, {n}, heads);
     }
 
@@ -1147,14 +1147,7 @@ class GGUFForward {
     torch::Tensor forward_batch(const torch::Tensor& x, const std::vector<torch::Tensor>& k_caches,
                                 const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& starts,
                                 const std::vector<int64_t>& counts, bool last_only) {
-        std::vector<int64_t> heads;
-        int64_t row = 0;
-        for (int64_t c : counts) {
-            TORCH_CHECK(c > 0, "every segment needs rows");
-            for (int64_t r = last_only ? row + c - 1 : row; r < row + c; ++r) heads.push_back(r);
-            row += c;
-        }
-        return run_segments(x, k_caches, v_caches, starts, counts, heads);
+        return run_segments(x, k_caches, v_caches, starts, counts, segments::head_rows(counts, last_only));
     }
 
   private:
@@ -1163,14 +1156,9 @@ class GGUFForward {
         Matrix qkv, o, gate_up, down;
     };
 
-    struct Segment {  // one sequence's rows row0 .. row0 + n - 1, at its cache's slots start ..
-        float *k = nullptr, *v = nullptr;
-        int64_t capacity = 0, start = 0, row0 = 0, n = 0;
-    };
-
     struct State {  // one forward's buffers, shared by its threads
         int64_t n = 0;
-        std::vector<Segment> segments;
+        std::vector<segments::Segment> segments;
         std::vector<int64_t> heads;  // the rows whose logits are asked for
         float* logits = nullptr;
         std::vector<float> x, h, y, qkv, attn, gate_up, act;
@@ -1183,24 +1171,10 @@ class GGUFForward {
         const int64_t D = hidden_;
         TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.scalar_type() == torch::kFloat32 && x.size(0) > 0,
                     "x must be [n > 0, hidden] float32");
-        TORCH_CHECK(k_caches.size() == counts.size() && v_caches.size() == counts.size() && starts.size() == counts.size(),
-                    "one cache, start and count per segment");
         State s;
         s.n = x.size(0), s.heads = heads;
-        int64_t row = 0;
-        for (size_t i = 0; i < counts.size(); ++i) {
-            const torch::Tensor &k = k_caches[i], &v = v_caches[i];
-            TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 4 && k.size(0) == static_cast<int64_t>(layers_.size()) &&
-                            k.size(1) == kv_heads_ && k.size(3) == head_dim_ && v.sizes() == k.sizes() &&
-                            k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
-                        "bad kv cache");
-            Segment seg{k.data_ptr<float>(), v.data_ptr<float>(), k.size(2), starts[i], row, counts[i]};
-            TORCH_CHECK(seg.start >= 0 && seg.start + seg.n <= seg.capacity && seg.start + seg.n <= cos_.size(0),
-                        "slots past the cache");
-            s.segments.push_back(seg);
-            row += seg.n;
-        }
-        TORCH_CHECK(row == s.n, "the segments' rows must add up to x's");
+        s.segments = segments::make(k_caches, v_caches, starts, counts, s.n, static_cast<int64_t>(layers_.size()), kv_heads_,
+                                    head_dim_, cos_.size(0));
         const int64_t n = s.n;
         auto logits = torch::empty({static_cast<int64_t>(heads.size()), lm_head_.total}, x.options());
         s.logits = logits.data_ptr<float>();
@@ -1251,7 +1225,7 @@ class GGUFForward {
 #pragma omp barrier
             const int64_t tasks = static_cast<int64_t>(s.segments.size()) * hkv;  // (segment, kv head)
             for (int64_t task = share(tasks, t, T); task < share(tasks, t + 1, T); ++task) {
-                const Segment& seg = s.segments[task / hkv];
+                const segments::Segment& seg = s.segments[task / hkv];
                 const int64_t g = task % hkv, slot0 = (li * hkv + g) * seg.capacity;
                 attention::rope_write_attend(s.qkv.data() + seg.row0 * width, width, seg.n, seg.start, g, hq, hkv, d,
                                              L.bias.numel() ? L.bias.data_ptr<float>() : nullptr, cos_.data_ptr<float>(),

@@ -32,6 +32,7 @@
 
 #include "attention.h"
 #include "lanes.h"
+#include "segments.h"
 
 namespace {
 
@@ -548,8 +549,7 @@ class Int4Draft {
                           bool last_only, bool head) {
         const int64_t n = tokens.dim() >= 1 ? tokens.size(0) : 0;
         std::vector<int64_t> heads;
-        if (head)
-            for (int64_t r = last_only ? n - 1 : 0; r < n; ++r) heads.push_back(r);
+        if (head) heads = segments::head_rows({n}, last_only);
         return run_segments(tokens, {k_cache}, {v_cache}, {start}, {n}, heads);
     }
 
@@ -561,25 +561,13 @@ class Int4Draft {
     torch::Tensor forward_batch(const torch::Tensor& tokens, const std::vector<torch::Tensor>& k_caches,
                                 const std::vector<torch::Tensor>& v_caches, const std::vector<int64_t>& starts,
                                 const std::vector<int64_t>& counts, bool last_only) {
-        std::vector<int64_t> heads;
-        int64_t row = 0;
-        for (int64_t c : counts) {
-            TORCH_CHECK(c > 0, "every segment needs rows");
-            for (int64_t r = last_only ? row + c - 1 : row; r < row + c; ++r) heads.push_back(r);
-            row += c;
-        }
-        return run_segments(tokens, k_caches, v_caches, starts, counts, heads);
+        return run_segments(tokens, k_caches, v_caches, starts, counts, segments::head_rows(counts, last_only));
     }
 
   private:
-    struct Segment {  // one sequence's rows row0 .. row0 + n - 1, at its cache's slots start ..
-        float *k = nullptr, *v = nullptr;
-        int64_t capacity = 0, start = 0, row0 = 0, n = 0;
-    };
-
     struct State {  // one forward's buffers, shared by its threads
         int64_t n = 0;
-        std::vector<Segment> segments;
+        std::vector<segments::Segment> segments;
         std::vector<int64_t> heads;  // the rows whose logits are asked for
         std::vector<float> x, qkv, attn, act;
     };
@@ -593,24 +581,10 @@ class Int4Draft {
                              : tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && n > 0 && embed_.numel(),
                     "tokens must be [n > 0] int64, or [n > 0, hidden] float32 embeddings");
         TORCH_CHECK(n <= MAX_ROWS, "at most ", MAX_ROWS, " rows");
-        TORCH_CHECK(k_caches.size() == counts.size() && v_caches.size() == counts.size() && starts.size() == counts.size(),
-                    "one cache, start and count per segment");
         State s;
         s.n = n, s.heads = heads;
-        int64_t row = 0;
-        for (size_t i = 0; i < counts.size(); ++i) {
-            const torch::Tensor &k = k_caches[i], &v = v_caches[i];
-            TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 4 && k.size(0) == static_cast<int64_t>(layers_.size())
-                            && k.size(1) == kv_heads_ && k.size(3) == head_dim_ && v.sizes() == k.sizes()
-                            && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
-                        "bad kv cache");
-            const Segment seg{k.data_ptr<float>(), v.data_ptr<float>(), k.size(2), starts[i], row, counts[i]};
-            TORCH_CHECK(seg.n > 0 && seg.start >= 0 && seg.start + seg.n <= seg.capacity && seg.start + seg.n <= cos_.size(0),
-                        "slots past the cache");
-            s.segments.push_back(seg);
-            row += seg.n;
-        }
-        TORCH_CHECK(row == n, "the segments' rows must add up to the tokens'");
+        s.segments = segments::make(k_caches, v_caches, starts, counts, n, static_cast<int64_t>(layers_.size()), kv_heads_,
+                                    head_dim_, cos_.size(0));
         const torch::Tensor ids = tokens.contiguous();
         s.x.resize(n * D);
         if (embedded) {
@@ -653,7 +627,7 @@ class Int4Draft {
             });
 #pragma omp barrier
             for (int64_t task = tasks * t / T; task < tasks * (t + 1) / T; ++task) {  // this thread's
-                const Segment& seg = s.segments[task / hkv];
+                const segments::Segment& seg = s.segments[task / hkv];
                 const int64_t g = task % hkv, slot0 = (li * hkv + g) * seg.capacity;
                 attention::rope_write_attend(s.qkv.data() + seg.row0 * width, width, seg.n, seg.start, g, hq, hkv, d,
                                              L.qkv_bias, cos_.data_ptr<float>(), sin_.data_ptr<float>(), seg.k + slot0 * d,
