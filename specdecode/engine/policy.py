@@ -29,9 +29,9 @@ acceptance: in a busy step every request waits for a probe's catch-up and rows. 
 token costs what it costs a request drafting alone (``drafting.py`` records a share of a shared
 forward as the lone forward it stands for), a draft model's forwards, which a step's requests
 share, cost one per depth for all the requests drafting that deep (``costs.shared_forward``),
-and a confident drafter's reach is priced in the step as planned. No output depends on the choice: greedy tokens are argmaxes and sampled ones win races
-keyed by their position (``sample/race.py``), so every request, seeded or not, is planned on
-measured costs.
+and a confident drafter's reach is priced in the step as planned. No output depends on the
+choice: greedy tokens are argmaxes and sampled ones win races keyed by their position
+(``sample/race.py``), so every request, seeded or not, is planned on measured costs.
 
 ``FixedK`` drafts ``num_speculative_tokens`` every step (``adaptive=False``: for experiments).
 Drafters that size their own proposals (``adapts_length = False``, a lookahead window) always
