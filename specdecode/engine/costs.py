@@ -34,7 +34,7 @@ MAX_SHARE = 1.0  # most a pair may say an extra row costs, in one-row steps (a w
 PROBE_AFTER = 16  # steps at K = 0 before a request re-measures its acceptance (policy.py)
 # What each further request adds to a draft-model forward shared by a step's requests, in lone
 # forwards: one int4 draft step of 2 / 4 / 8 requests took 0.97 / 1.52 / 2.70 of one request's
-# (`python scripts/draft_step.py --quantize int4 --requests 1,2,4,8`, AMD EPYC Zen 3, AVX2): its
+# (`python scripts/draft_step.py --quantize int4 --requests 1,2,4,8`, AMD EPYC Zen 3, AVX2, 2026-11-28): its
 # weights stream once for all of them, and from a few rows on its rows cost integer compute.
 DRAFT_REQUEST_SHARE = 0.2
 # Where the row share starts: the quantized target's extra rows cost about 0.2 of a one-row step
