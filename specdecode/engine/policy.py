@@ -331,6 +331,8 @@ def _best_move(requests: Sequence[DraftRequest], ks: Sequence[int], rows: int, c
     def open_to(i: int) -> bool:
         return requests[i].adaptive and ks[i] < requests[i].limit
 
+    row = costs.verify(rows + 1) - costs.verify(rows)  # the linear verify cost: each row alike
+
     deepest: dict[str, int] = defaultdict(int)  # per shared model: the deepest draft planned
     for r, k in zip(requests, ks):
         if r.shared:
@@ -341,7 +343,7 @@ def _best_move(requests: Sequence[DraftRequest], ks: Sequence[int], rows: int, c
         gain = acceptance(r) ** (ks[i] + 1)
         joins = r.shared and deepest[r.method] > ks[i]  # another request's forward at that depth
         draft = costs.draft_token(r) * (DRAFT_REQUEST_SHARE if joins else 1.0)
-        consider([i], gain, draft + costs.verify(rows + 1) - costs.verify(rows) + first_draft(i, gain))
+        consider([i], gain, draft + row + first_draft(i, gain))
     for method, depth in deepest.items():  # a new depth for several requests at once
         level = sorted((i for i, r in enumerate(requests) if r.shared and r.method == method and ks[i] == depth
                         and open_to(i)), key=lambda i: -acceptance(requests[i]))
@@ -352,7 +354,7 @@ def _best_move(requests: Sequence[DraftRequest], ks: Sequence[int], rows: int, c
             catch_ups += first_draft(i, g)
             if size > 1:
                 draft = costs.draft_token(requests[i]) * shared_forward(size)
-                consider(level[:size], gain, draft + costs.verify(rows + size) - costs.verify(rows) + catch_ups)
+                consider(level[:size], gain, draft + size * row + catch_ups)
     return best, best_gain, best_cost
 
 

@@ -225,10 +225,10 @@ class Decoder:
         captures = list(captures or ())
         backend = self.backend
         batched = getattr(backend.fused, "forward_batch", None)  # a native forward of several sequences
+        counts = [t.shape[0] for t, _ in segments]
         if batched is not None and len(segments) > 1 and not any(trees) and not any(c is not None for c in captures) \
-                and all(t.shape[0] <= backend.fused_rows for t, _ in segments) \
-                and (backend.fused_batch_rows is None or sum(t.shape[0] for t, _ in segments) <= backend.fused_batch_rows):
-            counts = [t.shape[0] for t, _ in segments]
+                and max(counts) <= backend.fused_rows \
+                and (backend.fused_batch_rows is None or sum(counts) <= backend.fused_batch_rows):
             starts = [cache.reserve(n) for n, (_, cache) in zip(counts, segments)]
             rows = self.embed_tokens(torch.cat([t for t, _ in segments]))
             logits = batched(rows, [c.k for _, c in segments], [c.v for _, c in segments], starts, counts, last_only)

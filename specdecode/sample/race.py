@@ -16,11 +16,10 @@ mostly pick the same token, so its drafts are accepted about as often as under t
 A position's keys are ``-log U`` of uniform draws U (``torch.rand``, 24-bit floats in [0, 1)):
 1.1-1.8 ms for 151,936 tokens against 3.5-4.4 ms through ``exponential_`` (AMD EPYC Zen 3,
 torch 2.13, 2026-11-28; `python scripts/race_keys_time.py`), paid for every position a request
-samples or drafts. U = 0,
-a chance of 2^-24 per key, gives an infinite key: that token cannot win that position, a change
-of the law below 6e-8 a token. (``-log(1 - U)`` would instead give a zero key, a winner whatever
-its probability, at some token of the vocabulary in one position of a hundred.) ``RaceKeys``
-keeps the keys of the positions a step may still ask for.
+samples or drafts. U = 0, a chance of 2^-24 per key, gives an infinite key: that token cannot win
+that position, a change of the law below 6e-8 a token. (``-log(1 - U)`` would instead give a
+zero key, a winner whatever its probability, at some token of the vocabulary in one position of
+a hundred.) ``RaceKeys`` keeps the keys of the positions a step may still ask for.
 """
 
 from __future__ import annotations
