@@ -208,7 +208,7 @@ class GGUFBackend(Backend):
         ``rebuilt`` makes once they are loaded."""
         kernel_build.load_gguf()
         kernel_build.load_attention()
-        super().__init__(role, kernels.LinearKernel(kernels.linear_gguf, invariant=True), attend_rows,
+        super().__init__(role, kernels.LinearKernel(kernels.linear_gguf, invariant=True, always=True), attend_rows,
                          chain_keys=False)
         self.eps = eps
         self.fused = fused

@@ -249,17 +249,26 @@ class Decoder:
         linear = self.backend.linear if len(segments) == 1 and not invariant else self.backend.linear.rows
         x = self.embed_tokens(tokens)  # [N, D]
         wanted = {i for c in captures if c is not None for i in c.layers}
+        last = len(self.layers)
+        # With ``last_only`` and no capture of the final states, the last layer's o projection and
+        # MLP (most of its weights: about 1/28 of a 1.5B target's prefill) run for the segments'
+        # last rows alone: later calls read only the other rows' keys and values. Where the
+        # kernel keeps a row's bits in any call (or a draft's, whose bits exactness never reads)
+        # the kept rows' logits are what the whole call gives.
+        ends = torch.tensor([v.n for v in views]).cumsum(0) - 1 if last_only else None
+        kernel = self.backend.linear
+        rows_keep_bits = kernel.always or (kernel.invariant and linear is not kernel) or self.backend.role == "draft"
+        prune = ends is not None and last not in wanted and rows_keep_bits
         states: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 states[i] = x
-            x = self._layer(x, layer, i, views, cos, sin, linear)
-        if len(self.layers) in wanted:
-            states[len(self.layers)] = x
+            x = self._layer(x, layer, i, views, cos, sin, linear, ends if prune and i == last - 1 else None)
+        if last in wanted:
+            states[last] = x
         if wanted:
             _deliver(states, captures, [v.n for v in views])
-        if last_only:
-            ends = torch.tensor([v.n for v in views]).cumsum(0) - 1
+        if ends is not None and not prune:
             x = x[ends]
         logits = self.backend.norm_linear(linear, x, self.norm, self.lm_head).float()
         return list(logits.split(1 if last_only else [v.n for v in views]))
@@ -291,7 +300,9 @@ class Decoder:
         return _SegmentView(cache, start, n, 0, None, torch.tensor(depth), branches)
 
     def _layer(self, x: Tensor, w: LayerWeights, i: int, views: list[_SegmentView], cos: Tensor, sin: Tensor,
-               linear: Linear) -> Tensor:
+               linear: Linear, keep: Tensor | None = None) -> Tensor:
+        """One decoder layer over ``x``'s rows; with ``keep``, only those rows leave it (every
+        row's keys and values are still written to the cache)."""
         cfg = self.config
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         scale = 1.0 / math.sqrt(d)
@@ -315,6 +326,8 @@ class Decoder:
                                                 seg.start, span, bias, scale)
             outs.append(out)
         attn = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if keep is not None:
+            attn, x = attn[keep].contiguous(), x[keep].contiguous()
         x = steps.linear_add(linear, attn, w.o, x)
         gate_up = steps.norm_linear(linear, x, w.post_norm, w.gate_up)
         return steps.glu_linear_add(linear, gate_up, w.down, x)

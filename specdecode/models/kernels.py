@@ -52,6 +52,7 @@ class LinearKernel:
 
     fn: Callable[..., Tensor]
     invariant: bool
+    always: bool = False  # invariant even when not asked (one integer kernel for every row count)
 
     def __call__(self, x: Tensor, w: Any, **kwargs: Any) -> Tensor:
         return self.fn(x, w, **kwargs)
