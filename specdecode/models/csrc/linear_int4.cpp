@@ -610,15 +610,23 @@ class Int4Draft {
         const int64_t n = s.n, D = hidden_, d = head_dim_, hq = heads_, hkv = kv_heads_;
         const int64_t width = (hq + 2 * hkv) * d, inter = layers_.empty() ? 0 : layers_[0].down.in;
         const float scale = 1.f / std::sqrt(static_cast<float>(d));
+        const int64_t m = static_cast<int64_t>(s.heads.size()), V = lm_head_.out;
         Acts a;
         std::vector<float> h(n * D), scores;  // attention's scratch, sized by row_group
+        // Rows the layer's o projection and MLP run for: all of them, except in the last layer,
+        // where only the rows whose logits are asked for (``s.heads``, moved to rows 0 .. m - 1)
+        // go on; the others' keys and values, written by its attention, are all later calls read.
+        // A prefill chunk without logits skips most of that layer's weights (a 24-layer draft's
+        // catch-up: 1/24 of its work), and rows are independent, so no kept row's bits change.
+        int64_t live = n;
         auto add_to_x = [&](int64_t i, float (*y)[TILE]) {
-            for (int64_t r = 0; r < n; ++r)
+            for (int64_t r = 0; r < live; ++r)
                 for (int64_t o = 0; o < TILE; ++o) s.x[r * D + i * TILE + o] += y[r][o];
         };
         const int64_t tasks = static_cast<int64_t>(s.segments.size()) * hkv;  // (segment, kv head)
         for (size_t li = 0; li < layers_.size(); ++li) {
             const Layer& L = layers_[li];
+            const bool last = li + 1 == layers_.size();
             rms_rows(s.x.data(), L.in_norm, n, D, eps_, h.data());
             a.set(h.data(), n, D);
             run_share(L.qkv, a, t, T, [&](int64_t i, float (*y)[TILE]) {
@@ -634,23 +642,34 @@ class Int4Draft {
                                              seg.v + slot0 * d, scale, s.attn.data() + seg.row0 * hq * d, scores);
             }
 #pragma omp barrier
-            a.set(s.attn.data(), n, hq * d);
+            if (last && m < n) {
+                live = m;
+                if (m == 0) return;
+                if (t == 0)  // heads ascend, so row heads[i] >= i moves down without overwriting a later one
+                    for (int64_t i = 0; i < m; ++i) {
+                        std::copy_n(s.attn.data() + s.heads[i] * hq * d, hq * d, s.attn.data() + i * hq * d);
+                        std::copy_n(s.x.data() + s.heads[i] * D, D, s.x.data() + i * D);
+                    }
+#pragma omp barrier
+            }
+            a.set(s.attn.data(), live, hq * d);
             run_share(L.o, a, t, T, add_to_x);
 #pragma omp barrier
-            rms_rows(s.x.data(), L.post_norm, n, D, eps_, h.data());
-            a.set(h.data(), n, D);
+            rms_rows(s.x.data(), L.post_norm, live, D, eps_, h.data());
+            a.set(h.data(), live, D);
             run_share(L.gate_up, a, t, T, [&](int64_t i, float (*y)[TILE]) {
-                for (int64_t r = 0; r < n; ++r)
+                for (int64_t r = 0; r < live; ++r)
                     lanes::store(s.act.data() + r * inter + i * 8, glu8(lanes::load(y[r]), lanes::load(y[r] + 8)));
             });
 #pragma omp barrier
-            a.set(s.act.data(), n, inter);
+            a.set(s.act.data(), live, inter);
             run_share(L.down, a, t, T, add_to_x);
 #pragma omp barrier
         }
-        const int64_t m = static_cast<int64_t>(s.heads.size()), V = lm_head_.out;
         if (m == 0) return;
-        for (int64_t i = 0; i < m; ++i) rms_rows(s.x.data() + s.heads[i] * D, norm_.data_ptr<float>(), 1, D, eps_, h.data() + i * D);
+        const bool moved = live < n;  // the heads are rows 0 .. m - 1 now
+        for (int64_t i = 0; i < m; ++i)
+            rms_rows(s.x.data() + (moved ? i : s.heads[i]) * D, norm_.data_ptr<float>(), 1, D, eps_, h.data() + i * D);
         a.set(h.data(), m, D);
         run_share(lm_head_, a, t, T, [&](int64_t i, float (*y)[TILE]) {
             for (int64_t r = 0; r < m; ++r)
