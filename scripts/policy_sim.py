@@ -47,8 +47,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="the requests' max_tokens (default: %(default)s)")
     ap.add_argument("--noise", type=float, default=0.05, help="relative noise of measured times (default: %(default)s)")
     ap.add_argument("--seeds", type=int, default=5, help="runs with different noise, averaged (default: %(default)s)")
+    ap.add_argument("--oracle", action="store_true",
+                    help="instead of the policy, draft exactly the tokens the target will accept (up to --k-max; "
+                         "none where the first would be rejected): the bound no policy over this draft can pass")
+    ap.add_argument("--calibration", action="store_true",
+                    help="first print how often the draft's top token agrees with the target's, by its probability")
     args = ap.parse_args()
     traces = [json.loads(line) for line in args.traces.read_text().splitlines() if line.strip()]
+    if args.calibration:
+        _print_calibration(traces)
     ratios: dict[str, list[float]] = {}
     plain_steps: dict[str, int] = {}
     drafted: dict[str, int] = {}
@@ -89,7 +96,10 @@ class Replay:
             catch_up = pending if pending > CATCH_UP_TOKENS else 0
             request = DraftRequest("draft_model", a.k_max, remaining - 1, True, catch_up, min(a.max_tokens - pos, HORIZON), state,
                                    DraftModelDrafter.draft_cost_prior, confident=True)
-            [(k, stop)] = self.policy.plan([request])
+            if a.oracle:
+                k, stop = _leading(match, pos, a.k_max), 0.0
+            else:
+                [(k, stop)] = self.policy.plan([request])
             outcome_steps = StepTimes(rows=1, verify_s=0.0)
             if k == 0:
                 plains += 1
@@ -124,6 +134,27 @@ class Replay:
             pos += produced
         prefill = trace["prompt_tokens"] * a.prefill_ms / 1e3
         return (prefill + n * step) / (prefill + seconds), plains, drafted_total
+
+
+def _print_calibration(traces: list[dict]) -> None:
+    """Agreement by the draft's probability of its top token, in tenths: how far a confident
+    drafter's own probability can be trusted."""
+    bins = [[0, 0] for _ in range(10)]
+    for t in traces:
+        for agreed, p in zip(t["match"], t["p"]):
+            b = bins[min(int(p * 10), 9)]
+            b[0], b[1] = b[0] + 1, b[1] + bool(agreed)
+    for i, (n, agreed) in enumerate(bins):
+        if n:
+            print(f"p in [{i / 10:.1f}, {(i + 1) / 10:.1f}): {n:5d} positions, agreement {agreed / n:.3f}")
+
+
+def _leading(match: list[bool], pos: int, k_max: int) -> int:
+    """The agreements from ``pos`` on before the first disagreement, at most ``k_max``."""
+    n = 0
+    while n < k_max and pos + n < len(match) and match[pos + n]:
+        n += 1
+    return n
 
 
 def _geomean(values: list[float]) -> float:

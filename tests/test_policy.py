@@ -413,6 +413,7 @@ def test_a_confident_requests_reach_is_priced_in_its_step():
     """Beside seven plain requests whose rows make its step dearer, a confident request reaches
     less far than alone (the reach is its K at a sure acceptance in the step as planned)."""
     policy = CostModel(_costs(row_s=0.004, draft_s=0.002))
-    [(alone, _)] = policy.plan([_request(0.9, confident=True)])
-    [(busy, _), *rest] = policy.plan([_request(0.9, confident=True), *[_request(0.0) for _ in range(7)]])
-    assert 0 < busy < alone and all(k == 0 for k, _ in rest)
+    deep = 40  # a limit neither reach meets
+    [(alone, _)] = policy.plan([_request(0.9, confident=True, k_max=deep)])
+    [(busy, _), *rest] = policy.plan([_request(0.9, confident=True, k_max=deep), *[_request(0.0) for _ in range(7)]])
+    assert 0 < busy < alone < deep and all(k == 0 for k, _ in rest)
