@@ -147,6 +147,10 @@ def _print_calibration(traces: list[dict]) -> None:
     for i, (n, agreed) in enumerate(bins):
         if n:
             print(f"p in [{i / 10:.1f}, {(i + 1) / 10:.1f}): {n:5d} positions, agreement {agreed / n:.3f}")
+    after = [t["match"][i + 1] for t in traces for i in range(len(t["match"]) - 1)
+             if t["match"][i] and t["p"][i] >= 0.7]
+    if after:
+        print(f"after a kept token of p >= 0.7: {len(after)} positions, agreement {sum(map(bool, after)) / len(after):.3f}")
 
 
 def _leading(match: list[bool], pos: int, k_max: int) -> int:

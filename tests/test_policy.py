@@ -12,8 +12,8 @@ import pytest
 from specdecode.engine import costs as costs_module, policy as policy_module
 from specdecode.engine.costs import (ROW_SHARE_PRIOR, SHARE_CLIP, SHARE_EMA, RequestOutcome, RequestSpeculation, StepCosts, StepTimes,
                                      shared_forward)
-from specdecode.engine.policy import (MARGIN, PRIOR_ACCEPTANCE, PROBE_AFTER_MAX, PROBE_K, CostModel, DraftRequest, FixedK,
-                                      _draft_seconds)
+from specdecode.engine.policy import (CONTINUATION_ACCEPTANCE, MARGIN, PRIOR_ACCEPTANCE, PROBE_AFTER_MAX, PROBE_K, CostModel,
+                                      DraftRequest, FixedK, _draft_seconds)
 
 STEP = 0.040  # one verify row, seconds
 
@@ -390,10 +390,16 @@ def test_a_confident_drafter_may_draft_further_and_stops_where_a_further_draft_s
     [(k_plain, no_stop)] = policy.plan([plain])
     [(reach, stop)] = policy.plan([confident])
     assert no_stop is None and reach > k_plain > 0
-    # the stop: a further draft's expected token (product so far times acceptance) against its cost
+    # the stop: a further draft's expected token (the product so far times the chance that the next
+    # survives, no lower than the continuation's) against its cost
     tokens = sum(0.8**j for j in range(k_plain + 1))
     rate = tokens / (STEP + k_plain * (0.008 + 0.010))
-    assert stop == pytest.approx(MARGIN * rate * (0.008 + 0.010) / 0.8)
+    assert stop == pytest.approx(MARGIN * rate * (0.008 + 0.010) / CONTINUATION_ACCEPTANCE)
+    surer = _request(0.95, confident=True)  # its own acceptance above the continuation's: that one
+    [k_sure] = policy.draft_lengths([dataclasses.replace(surer, confident=False)])
+    [(_, sure_stop)] = policy.plan([surer])
+    rate = sum(0.95**j for j in range(k_sure + 1)) / (STEP + k_sure * (0.008 + 0.010))
+    assert sure_stop == pytest.approx(MARGIN * rate * (0.008 + 0.010) / 0.95)
     dearer = CostModel(_costs(row_s=0.010, draft_s=0.013))
     [(_, dear_stop)] = dearer.plan([confident])
     assert dear_stop > stop
@@ -417,3 +423,47 @@ def test_a_confident_requests_reach_is_priced_in_its_step():
     [(alone, _)] = policy.plan([_request(0.9, confident=True, k_max=deep)])
     [(busy, _), *rest] = policy.plan([_request(0.9, confident=True, k_max=deep), *[_request(0.0) for _ in range(7)]])
     assert 0 < busy < alone < deep and all(k == 0 for k, _ in rest)
+
+
+def _ran(acceptance: float, drafted: float, kept: float, **kw) -> DraftRequest:
+    """A confident request whose drafting steps proposed ``drafted`` and kept ``kept`` on average."""
+    r = _request(acceptance, confident=True, **kw)
+    r.state.run_drafted, r.state.run_kept = drafted, kept
+    return r
+
+
+def test_a_confident_request_whose_runs_paid_drafts_where_its_acceptance_alone_would_not():
+    """Planned at K = 0 on its mean acceptance (a first draft kept 40% of the time), a confident
+    request still drafts where its recent drafting steps, each stopped by its own confidence, kept
+    enough of what they proposed to beat a plain step at this step's costs; not where they did
+    not, nor a request without confidence, nor where the same runs cost more than they give."""
+    costs = _costs(row_s=0.008, draft_s=0.012)
+    policy = CostModel(costs)
+    assert policy.draft_lengths([_request(0.4, confident=True)]) == [0]
+    # two drafts a step, 1.4 kept: 1.4 tokens for 2 x 20 ms against 40 ms a token plainly
+    [(k, stop)] = policy.plan([_ran(0.4, drafted=2.0, kept=1.4)])
+    assert k >= 1 and stop is not None
+    assert policy.draft_lengths([_ran(0.4, drafted=2.0, kept=0.6)]) == [0]  # 0.6 for 40 ms: no
+    blind = dataclasses.replace(_ran(0.4, drafted=2.0, kept=1.4), confident=False)
+    assert policy.draft_lengths([blind]) == [0]
+    dear = CostModel(_costs(row_s=0.020, draft_s=0.030))  # the same runs at 50 ms a draft: no
+    assert dear.draft_lengths([_ran(0.4, drafted=2.0, kept=1.4)]) == [0]
+    # beside seven plain requests whose rows make each extra row dearer, the same runs wait
+    busy = CostModel(_costs(row_s=0.008, draft_s=0.012))
+    ks = busy.draft_lengths([_ran(0.4, drafted=2.0, kept=1.4), *[_request(0.0) for _ in range(7)]])
+    assert ks[0] == 0
+
+
+def test_recorded_drafting_steps_keep_a_requests_running_means():
+    """Each step that drafted moves the request's means of drafts proposed and kept; a step that
+    did not draft leaves them."""
+    policy = CostModel(_costs(row_s=0.008, draft_s=0.012))
+    state = RequestSpeculation(acceptance=0.5)
+    policy.record(StepTimes(rows=4, verify_s=0.06, requests=[RequestOutcome("draft_model", state, 3, 2, 0.03)]))
+    assert (state.run_drafted, state.run_kept) == (3, 2)
+    policy.record(StepTimes(rows=2, verify_s=0.05, requests=[RequestOutcome("draft_model", state, 1, 0, 0.01)]))
+    assert state.run_drafted == pytest.approx(3 + policy_module.RUN_EMA * (1 - 3))
+    assert state.run_kept == pytest.approx(2 + policy_module.RUN_EMA * (0 - 2))
+    before = (state.run_drafted, state.run_kept)
+    policy.record(StepTimes(rows=1, verify_s=0.04, requests=[RequestOutcome("draft_model", state, 0, 0, 0.0)]))
+    assert (state.run_drafted, state.run_kept) == before

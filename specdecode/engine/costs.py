@@ -67,6 +67,8 @@ class RequestSpeculation:
     acceptance: float | None = None  # per draft, given the ones before survived; None: not planned yet
     idle: int = 0  # steps in a row at K = 0
     probe_after: int = PROBE_AFTER
+    run_drafted: float | None = None  # drafts proposed in a step that drafted (a running mean); None: none yet
+    run_kept: float | None = None  # drafts kept in such a step
 
 
 @dataclass(slots=True)

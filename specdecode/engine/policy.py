@@ -17,7 +17,8 @@ A request's acceptance starts from its method's (a draft model's no lower than i
 each of its requests drafts and is measured) and moves with each draft decided (``DRAFT_EMA``).
 A drafter that knows its confidence (``Drafter.stops_by_confidence``) may reach further than the
 request's average acceptance would draft and stops where the product of its
-probabilities says a further draft no longer repays itself (``confidence_stops``, SpecDec++).
+probabilities says a further draft no longer repays itself (``confidence_stops``, SpecDec++);
+planned at K = 0, it still drafts where its recent drafting steps paid (``runs_pay``).
 A drafter may offer several sources for a step (``Drafter.sources``: ``combined`` offers a free
 copy from a context match and its draft model); ``pick_sources`` takes, per request, the one with
 the best expected rate, and acceptance and cost are learned per source name. A request at K = 0
@@ -62,6 +63,13 @@ MARGIN = 1.05
 # EPYC Zen 3, 2026-11-28); replayed at this machine's costs, a reach sized at 0.99 against 0.95
 # makes the bench's categories 1.180x against 1.169x (the same script).
 CONFIDENT_ACCEPTANCE = 0.99
+# How likely a confident drafter's next draft survives once its run so far is sure: after a kept
+# token it gave probability >= 0.7, the int4 draft's next token agrees 88.1% of the time (1,542
+# positions; the same script, same answers). A request's mean acceptance prices its first draft,
+# which is often a coin toss; taken for the next one in a sure run, it raised the stop as the
+# mean fell and cut runs to one draft (the replay below: chat 1.025x against 1.091x with this and
+# ``CostModel.runs_pay``).
+CONTINUATION_ACCEPTANCE = 0.88
 # Acceptance a method starts from before any of its drafts were verified, unless its source
 # brings its own (``DraftSource.acceptance_prior``): optimistic, so a new method drafts and gets
 # measured; its requests' measured rates replace it within a few steps.
@@ -70,6 +78,10 @@ PRIOR_ACCEPTANCE = 0.8
 # refused first draft moves 0.85 to 0.72, so it takes a run of refusals, not one unlucky step,
 # to turn a request's drafting off, and a probe's two kept drafts count for more than one.
 DRAFT_EMA = 0.15
+# Weight of one drafting step in a request's running means of drafts proposed and kept per such
+# step (``CostModel.runs_pay``): a mean over some twenty steps, so that a few hard positions at
+# an answer's start do not turn a confident drafter off.
+RUN_EMA = 0.05
 # Weight of one decided draft in its method's acceptance, which starts from its prior: one
 # request's first step, all refused, moves it a little, not to 0 (new requests start there).
 METHOD_EMA = 0.05
@@ -183,7 +195,36 @@ class CostModel(SpeculationPolicy):
         if not self.costs.verify_measured:  # nothing measured yet: draft a little and measure
             return [r.limit if not r.adaptive else min(r.limit, PROBE_K) for r in requests]
         ks = _allocate(requests, self.costs, self.acceptance)
+        for i in range(len(requests)):
+            if not ks[i] and self.runs_pay(requests, ks, i):
+                ks[i] = 1  # its confidence then sets how far (``confidence_stops``)
         return [self._probe(requests, ks, i) for i in range(len(requests))]
+
+    def runs_pay(self, requests: Sequence[DraftRequest], ks: Sequence[int], i: int) -> bool:
+        """Whether confident request ``i``, planned at K = 0, drafts after all: its drafting steps,
+        each stopped by its own probabilities, kept ``run_kept`` drafts of ``run_drafted`` on
+        average, and at this step's costs that adds more tokens per second than the step makes.
+        The acceptance behind K = 0 prices each draft as if it were proposed blind; a confident
+        drafter stops itself where it grows unsure, so its runs can pay where its first draft is
+        a coin toss. A plain step also leaves its draft model behind, to catch up when it drafts
+        again. Replayed at this machine's costs (``scripts/policy_sim.py``, AMD EPYC Zen 3,
+        2026-11-28: a step 61 ms, a row 0.19 of it, a drafted token 15 ms) with
+        ``CONTINUATION_ACCEPTANCE``: ``draft_model`` 1.193x plain over the bench's prompts
+        against 1.180x, chat 1.091x against 1.025x; where a draft token costs 0.42 of a step
+        and drafting does not pay, 0.987x against 0.984x (drafting every step there: 0.966x)."""
+        r = requests[i]
+        state = r.state
+        if not (r.confident and r.adaptive and r.limit and state.run_drafted and state.run_kept is not None):
+            return False
+        costs, acceptance = self._basis()
+        rows = len(requests) + sum(ks)
+        tokens = sum(_expected(acceptance(q), k) for q, k in zip(requests, ks))
+        seconds = costs.verify(rows) + _draft_seconds(requests, ks, costs)
+        row = costs.verify(rows + 1) - costs.verify(rows)
+        cost = state.run_drafted * (row + costs.draft_token(r))
+        if r.catch_up:
+            cost += _catch_up(costs, r) / max(r.remaining / (1 + state.run_kept), 1.0)
+        return state.run_kept * seconds > MARGIN * tokens * cost
 
     def pick_sources(self, options: Sequence[Sequence[DraftRequest]]) -> list[int]:
         """The source with the best expected tokens per second drafting alone at its best K
@@ -201,9 +242,10 @@ class CostModel(SpeculationPolicy):
     def confidence_stops(self, requests: Sequence[DraftRequest], ks: Sequence[int]) -> list[tuple[int, float | None]]:
         """SpecDec++'s stop, priced by the cost model: a confident request may draft as far as a
         run its drafter is sure of would pay (K chosen at ``CONFIDENT_ACCEPTANCE``), and stops
-        once the chance that its drafts so far all survive, times its acceptance (the next
-        draft's expected token), no longer repays a further draft at the step's rate:
-        ``product < MARGIN * rate * cost / acceptance``. Others keep their K."""
+        once the chance that its drafts so far all survive, times the chance the next one does
+        (its acceptance, but no lower than ``CONTINUATION_ACCEPTANCE``), no longer repays a
+        further draft at the step's rate: ``product < MARGIN * rate * cost / next``. Others keep
+        their K."""
         costs, acceptance = self._basis()
         rows = len(requests) + sum(ks)  # the step as planned: its rows, expected tokens and seconds
         sure = {}  # a confident request's reach: its K were it as sure as CONFIDENT_ACCEPTANCE
@@ -219,7 +261,8 @@ class CostModel(SpeculationPolicy):
                 plans.append((k, None))
                 continue
             cost = costs.draft_token(r) + row_cost
-            threshold = MARGIN * tokens / seconds * cost / max(acceptance(r), 1e-3) if seconds > 0 else 0.0
+            next_kept = max(acceptance(r), CONTINUATION_ACCEPTANCE)
+            threshold = MARGIN * tokens / seconds * cost / next_kept if seconds > 0 else 0.0
             plans.append((max(k, sure[i]), min(threshold, 0.99)))
         return plans
 
@@ -281,6 +324,9 @@ class CostModel(SpeculationPolicy):
                 continue
             rate = outcome.accepted / outcome.decided
             state = outcome.state
+            if outcome.drafted:
+                state.run_drafted = _ema(state.run_drafted, outcome.drafted, RUN_EMA)
+                state.run_kept = _ema(state.run_kept, outcome.accepted, RUN_EMA)
             start = state.acceptance
             if start is None:  # never planned (a fixed K): its method's
                 start = self._method(outcome.method)
@@ -385,6 +431,10 @@ def _catch_up(costs: Costs, r: DraftRequest) -> float:
     forward each would cost (its drafted tokens' cost), a bound that keeps one catch-up slowed by
     another process from shutting its draft model out for good."""
     return min(costs.catch_up(r.catch_up), r.catch_up * costs.draft_token(r)) if r.catch_up else 0.0
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 def _clamp(acceptance: float) -> float:
