@@ -455,15 +455,35 @@ def test_a_confident_request_whose_runs_paid_drafts_where_its_acceptance_alone_w
 
 
 def test_recorded_drafting_steps_keep_a_requests_running_means():
-    """Each step that drafted moves the request's means of drafts proposed and kept; a step that
-    did not draft leaves them."""
+    """The steps that drafted make a plain mean of drafts proposed and kept over a request's first
+    steps, then a running one (``RUN_EMA``); a step that did not draft leaves them. Drafts decided
+    after a kept one move the request's continuation from ``CONTINUATION_ACCEPTANCE``."""
     policy = CostModel(_costs(row_s=0.008, draft_s=0.012))
     state = RequestSpeculation(acceptance=0.5)
     policy.record(StepTimes(rows=4, verify_s=0.06, requests=[RequestOutcome("draft_model", state, 3, 2, 0.03)]))
     assert (state.run_drafted, state.run_kept) == (3, 2)
+    deeper = 1 - (1 - policy_module.DRAFT_EMA) ** 2  # drafts 2 and 3 decided after the first kept: one kept
+    assert state.continuation == pytest.approx(CONTINUATION_ACCEPTANCE + deeper * (0.5 - CONTINUATION_ACCEPTANCE))
     policy.record(StepTimes(rows=2, verify_s=0.05, requests=[RequestOutcome("draft_model", state, 1, 0, 0.01)]))
-    assert state.run_drafted == pytest.approx(3 + policy_module.RUN_EMA * (1 - 3))
-    assert state.run_kept == pytest.approx(2 + policy_module.RUN_EMA * (0 - 2))
-    before = (state.run_drafted, state.run_kept)
+    assert (state.run_drafted, state.run_kept) == (2, 1)  # the mean of two steps
+    continuation = state.continuation
+    assert continuation < CONTINUATION_ACCEPTANCE  # a first draft refused says nothing of the next
+    for _ in range(2 * int(1 / policy_module.RUN_EMA)):  # one draft a step, kept: no draft after a kept one
+        policy.record(StepTimes(rows=2, verify_s=0.05, requests=[RequestOutcome("draft_model", state, 1, 1, 0.01)]))
+    assert 1 < state.run_drafted < 1.1 and state.run_kept == pytest.approx(1)
+    before = (state.run_drafted, state.run_kept, state.continuation)
+    assert before[2] == continuation
     policy.record(StepTimes(rows=1, verify_s=0.04, requests=[RequestOutcome("draft_model", state, 0, 0, 0.0)]))
-    assert (state.run_drafted, state.run_kept) == before
+    assert (state.run_drafted, state.run_kept, state.continuation) == before
+
+
+def test_a_confident_stop_trusts_the_requests_own_continuation_once_measured():
+    """A low-acceptance confident request stops by the chance that a draft after a kept one
+    survives: ``CONTINUATION_ACCEPTANCE`` until its own is measured, then its own."""
+    policy = CostModel(_costs(row_s=0.008, draft_s=0.010))
+    prior = _request(0.5, confident=True)
+    [(_, prior_stop)] = policy.plan([prior])
+    doubtful = _request(0.5, confident=True)
+    doubtful.state.continuation = 0.6
+    [(_, doubtful_stop)] = policy.plan([doubtful])
+    assert doubtful_stop == pytest.approx(prior_stop * CONTINUATION_ACCEPTANCE / 0.6)

@@ -61,14 +61,16 @@ class Costs(Protocol):
 
 @dataclass(slots=True)
 class RequestSpeculation:
-    """What the speculation policy learned about one request: its acceptance and its steps
-    without drafts."""
+    """What the speculation policy learned about one request: its acceptance, its steps without
+    drafts, and what its drafting steps proposed and kept."""
 
     acceptance: float | None = None  # per draft, given the ones before survived; None: not planned yet
     idle: int = 0  # steps in a row at K = 0
     probe_after: int = PROBE_AFTER
-    run_drafted: float | None = None  # drafts proposed in a step that drafted (a running mean); None: none yet
+    run_steps: int = 0  # steps that drafted
+    run_drafted: float | None = None  # drafts proposed in such a step (a running mean); None: none yet
     run_kept: float | None = None  # drafts kept in such a step
+    continuation: float | None = None  # per draft after a kept one (None: not measured yet)
 
 
 @dataclass(slots=True)

@@ -63,12 +63,12 @@ MARGIN = 1.05
 # EPYC Zen 3, 2026-11-28); replayed at this machine's costs, a reach sized at 0.99 against 0.95
 # makes the bench's categories 1.180x against 1.169x (the same script).
 CONFIDENT_ACCEPTANCE = 0.99
-# How likely a confident drafter's next draft survives once its run so far is sure: after a kept
-# token it gave probability >= 0.7, the int4 draft's next token agrees 88.1% of the time (1,542
-# positions; the same script, same answers). A request's mean acceptance prices its first draft,
-# which is often a coin toss; taken for the next one in a sure run, it raised the stop as the
-# mean fell and cut runs to one draft (the replay below: chat 1.025x against 1.091x with this and
-# ``CostModel.runs_pay``).
+# How likely a confident drafter's next draft survives once its run so far is sure, until the
+# request's own drafts after a kept one measure it (``RequestSpeculation.continuation``): after a
+# kept token it gave probability >= 0.7, the int4 draft's next token agrees 88.1% of the time
+# (1,542 positions; the same script, same answers). A request's mean acceptance prices its first
+# draft, often a coin toss; taken for the next one in a sure run, it raised the stop as the mean
+# fell and cut the runs to one draft.
 CONTINUATION_ACCEPTANCE = 0.88
 # Acceptance a method starts from before any of its drafts were verified, unless its source
 # brings its own (``DraftSource.acceptance_prior``): optimistic, so a new method drafts and gets
@@ -78,9 +78,9 @@ PRIOR_ACCEPTANCE = 0.8
 # refused first draft moves 0.85 to 0.72, so it takes a run of refusals, not one unlucky step,
 # to turn a request's drafting off, and a probe's two kept drafts count for more than one.
 DRAFT_EMA = 0.15
-# Weight of one drafting step in a request's running means of drafts proposed and kept per such
-# step (``CostModel.runs_pay``): a mean over some twenty steps, so that a few hard positions at
-# an answer's start do not turn a confident drafter off.
+# Weight of one drafting step in a request's means of drafts proposed and kept per such step
+# (``CostModel.runs_pay``): a plain mean over its first twenty, then a running mean over about as
+# many, so that neither its first step nor a few hard positions decide alone.
 RUN_EMA = 0.05
 # Weight of one decided draft in its method's acceptance, which starts from its prior: one
 # request's first step, all refused, moves it a little, not to 0 (new requests start there).
@@ -208,10 +208,11 @@ class CostModel(SpeculationPolicy):
         drafter stops itself where it grows unsure, so its runs can pay where its first draft is
         a coin toss. A plain step also leaves its draft model behind, to catch up when it drafts
         again. Replayed at this machine's costs (``scripts/policy_sim.py``, AMD EPYC Zen 3,
-        2026-11-28: a step 61 ms, a row 0.19 of it, a drafted token 15 ms) with
-        ``CONTINUATION_ACCEPTANCE``: ``draft_model`` 1.193x plain over the bench's prompts
-        against 1.180x, chat 1.091x against 1.025x; where a draft token costs 0.42 of a step
-        and drafting does not pay, 0.987x against 0.984x (drafting every step there: 0.966x)."""
+        2026-11-28: a step 61 ms, a row 0.19 of it, a drafted token 15 ms) with the stop's
+        continuation: ``draft_model`` 1.190x plain over the bench's prompts against 1.180x, chat
+        1.061x against 1.025x; at a row of 0.12 of a step 1.268x against 1.259x; where a draft
+        token costs 0.42 of a step and drafting does not pay, 0.987x against 0.984x (drafting
+        every step there: 0.966x)."""
         r = requests[i]
         state = r.state
         if not (r.confident and r.adaptive and r.limit and state.run_drafted and state.run_kept is not None):
@@ -243,9 +244,9 @@ class CostModel(SpeculationPolicy):
         """SpecDec++'s stop, priced by the cost model: a confident request may draft as far as a
         run its drafter is sure of would pay (K chosen at ``CONFIDENT_ACCEPTANCE``), and stops
         once the chance that its drafts so far all survive, times the chance the next one does
-        (its acceptance, but no lower than ``CONTINUATION_ACCEPTANCE``), no longer repays a
-        further draft at the step's rate: ``product < MARGIN * rate * cost / next``. Others keep
-        their K."""
+        (its acceptance, but no lower than its continuation: ``CONTINUATION_ACCEPTANCE`` until
+        measured), no longer repays a further draft at the step's rate:
+        ``product < MARGIN * rate * cost / next``. Others keep their K."""
         costs, acceptance = self._basis()
         rows = len(requests) + sum(ks)  # the step as planned: its rows, expected tokens and seconds
         sure = {}  # a confident request's reach: its K were it as sure as CONFIDENT_ACCEPTANCE
@@ -261,7 +262,7 @@ class CostModel(SpeculationPolicy):
                 plans.append((k, None))
                 continue
             cost = costs.draft_token(r) + row_cost
-            next_kept = max(acceptance(r), CONTINUATION_ACCEPTANCE)
+            next_kept = max(acceptance(r), CONTINUATION_ACCEPTANCE if r.state.continuation is None else r.state.continuation)
             threshold = MARGIN * tokens / seconds * cost / next_kept if seconds > 0 else 0.0
             plans.append((max(k, sure[i]), min(threshold, 0.99)))
         return plans
@@ -324,9 +325,15 @@ class CostModel(SpeculationPolicy):
                 continue
             rate = outcome.accepted / outcome.decided
             state = outcome.state
-            if outcome.drafted:
-                state.run_drafted = _ema(state.run_drafted, outcome.drafted, RUN_EMA)
-                state.run_kept = _ema(state.run_kept, outcome.accepted, RUN_EMA)
+            if outcome.drafted:  # a plain mean over its first steps, then a running one
+                state.run_steps += 1
+                weight = max(RUN_EMA, 1 / state.run_steps)
+                state.run_drafted = _ema(state.run_drafted, outcome.drafted, weight)
+                state.run_kept = _ema(state.run_kept, outcome.accepted, weight)
+            if outcome.accepted and outcome.decided > 1:  # drafts decided after a kept one
+                deeper = outcome.decided - 1
+                before = CONTINUATION_ACCEPTANCE if state.continuation is None else state.continuation
+                state.continuation = before + (1 - (1 - DRAFT_EMA) ** deeper) * ((outcome.accepted - 1) / deeper - before)
             start = state.acceptance
             if start is None:  # never planned (a fixed K): its method's
                 start = self._method(outcome.method)
