@@ -48,8 +48,9 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.05, help="relative noise of measured times (default: %(default)s)")
     ap.add_argument("--seeds", type=int, default=5, help="runs with different noise, averaged (default: %(default)s)")
     ap.add_argument("--oracle", action="store_true",
-                    help="instead of the policy, draft exactly the tokens the target will accept (up to --k-max; "
-                         "none where the first would be rejected): the bound no policy over this draft can pass")
+                    help="instead of the policy, draft exactly the tokens the target will accept (up to --k-max "
+                         "and the room; none where the first would be rejected): about the best any policy over "
+                         "this draft can do (it still pays a catch-up after plain steps)")
     ap.add_argument("--calibration", action="store_true",
                     help="first print how often the draft's top token agrees with the target's, by its probability")
     args = ap.parse_args()
@@ -97,7 +98,7 @@ class Replay:
             request = DraftRequest("draft_model", a.k_max, remaining - 1, True, catch_up, min(a.max_tokens - pos, HORIZON), state,
                                    DraftModelDrafter.draft_cost_prior, confident=True)
             if a.oracle:
-                k, stop = _leading(match, pos, a.k_max), 0.0
+                k, stop = _leading(match, pos, min(a.k_max, remaining - 1)), 0.0
             else:
                 [(k, stop)] = self.policy.plan([request])
             outcome_steps = StepTimes(rows=1, verify_s=0.0)

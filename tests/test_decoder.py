@@ -143,3 +143,35 @@ def test_bfloat16_logits_close_to_transformers(tiny_models):
     assert got.dtype == torch.float32
     # bf16 keeps ~3 significant digits; the logits here are O(10).
     torch.testing.assert_close(got, expected, atol=0.25, rtol=0.05)
+
+
+@pytest.mark.parametrize("native", [None, False], ids=["native", "portable"])
+def test_last_only_keeps_the_last_rows_bits_through_a_pruned_last_layer(tiny_models, native):
+    """With ``last_only``, the last layer's o projection and MLP run for each segment's last row
+    alone (on calls that keep a row's bits): its logits equal the whole call's at that row, for
+    chains, a token tree and a batch of both, and every key and value is still written."""
+    model = Decoder.from_dir(tiny_models["qwen2"], native=native)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in (12, 20)]
+    tree = [-1, 0, 0, 2, 3]  # two branches from the root: rows 0-1 and 0-2-3-4
+
+    def prefilled():
+        caches = [model.new_cache(64) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model.forward(p, c)
+        return caches
+
+    steps = [torch.randint(0, vocab, (n,), generator=gen) for n in (3, 5)]
+    pruned, whole = prefilled(), prefilled()
+    got = model.forward_batch(list(zip(steps, pruned)), last_only=True, trees=[None, tree])
+    want = model.forward_batch(list(zip(steps, whole)), trees=[None, tree])
+    assert [g.shape[0] for g in got] == [1, 1]
+    assert torch.equal(got[0], want[0][-1:]) and torch.equal(got[1], want[1][-1:])
+    assert [c.length for c in pruned] == [c.length for c in whole]
+    assert torch.equal(pruned[0].k[:, :, : pruned[0].length], whole[0].k[:, :, : whole[0].length])
+    assert torch.equal(pruned[1].node_k, whole[1].node_k)  # a tree's keys wait in its side buffers
+    alone, reference = prefilled()[0], prefilled()[0]
+    last = model.forward(steps[0], alone, last_only=True, invariant=True)  # one segment, on the invariant path
+    assert torch.equal(last, model.forward(steps[0], reference, invariant=True)[-1:])
+    assert torch.equal(alone.v[:, :, : alone.length], reference.v[:, :, : reference.length])

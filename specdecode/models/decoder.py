@@ -246,7 +246,8 @@ class Decoder:
         # Only a lone long segment is a prompt prefill, the one call allowed off the invariant path
         # (unless ``invariant``).
         # The decode rows of many sequences stay on the invariant kernel however many they are.
-        linear = self.backend.linear if len(segments) == 1 and not invariant else self.backend.linear.rows
+        on_rows = len(segments) != 1 or invariant  # the calls that must keep each row's bits
+        linear = self.backend.linear.rows if on_rows else self.backend.linear
         x = self.embed_tokens(tokens)  # [N, D]
         wanted = {i for c in captures if c is not None for i in c.layers}
         last = len(self.layers)
@@ -257,8 +258,8 @@ class Decoder:
         # the kept rows' logits are what the whole call gives.
         ends = torch.tensor([v.n for v in views]).cumsum(0) - 1 if last_only else None
         kernel = self.backend.linear
-        rows_keep_bits = kernel.always or (kernel.invariant and linear is not kernel) or self.backend.role == "draft"
-        prune = ends is not None and last not in wanted and rows_keep_bits
+        rows_keep_bits = kernel.always or (kernel.invariant and on_rows) or self.backend.role == "draft"
+        prune = ends is not None and last > 0 and last not in wanted and rows_keep_bits
         states: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in wanted:

@@ -647,6 +647,7 @@ class Int4Draft {
                 if (m == 0) return;
                 if (t == 0)  // heads ascend, so row heads[i] >= i moves down without overwriting a later one
                     for (int64_t i = 0; i < m; ++i) {
+                        if (s.heads[i] == i) continue;
                         std::copy_n(s.attn.data() + s.heads[i] * hq * d, hq * d, s.attn.data() + i * hq * d);
                         std::copy_n(s.x.data() + s.heads[i] * D, D, s.x.data() + i * D);
                     }
