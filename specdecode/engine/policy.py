@@ -219,9 +219,7 @@ class CostModel(SpeculationPolicy):
         if not (r.confident and r.adaptive and r.limit and state.run_drafted and state.run_kept is not None):
             return False
         costs, acceptance = self._basis()
-        rows = len(requests) + sum(ks)
-        tokens = sum(_expected(acceptance(q), k) for q, k in zip(requests, ks))
-        seconds = costs.verify(rows) + _draft_seconds(requests, ks, costs)
+        rows, tokens, seconds = _planned(requests, ks, costs, acceptance)
         short = min(1.0, r.limit / state.run_drafted)  # a cap or the room cuts its runs short
         drafted, kept = state.run_drafted * short, state.run_kept * short
         row = costs.verify(rows + 1) - costs.verify(rows)
@@ -251,13 +249,11 @@ class CostModel(SpeculationPolicy):
         measured), no longer repays a further draft at the step's rate:
         ``product < MARGIN * rate * cost / next``. Others keep their K."""
         costs, acceptance = self._basis()
-        rows = len(requests) + sum(ks)  # the step as planned: its rows, expected tokens and seconds
+        rows, tokens, seconds = _planned(requests, ks, costs, acceptance)
         sure = {}  # a confident request's reach: its K were it as sure as CONFIDENT_ACCEPTANCE
         for i, r in enumerate(requests):
             if r.confident and r.adaptive and ks[i]:
                 sure[i] = self._k_among(requests, ks, i, max(acceptance(r), CONFIDENT_ACCEPTANCE))
-        tokens = sum(_expected(acceptance(q), j) for q, j in zip(requests, ks))
-        seconds = costs.verify(rows) + _draft_seconds(requests, ks, costs)
         row_cost = costs.verify(rows + 1) - costs.verify(rows)
         plans: list[tuple[int, float | None]] = []
         for i, (r, k) in enumerate(zip(requests, ks)):
@@ -357,9 +353,7 @@ def _allocate(requests: Sequence[DraftRequest], costs: Costs, acceptance: Callab
     only together start it together. A drafted token's cost is what it costs a request drafting
     alone (``costs.py``)."""
     ks = [r.limit if not r.adaptive else 0 for r in requests]
-    rows = len(requests) + sum(ks)
-    tokens = sum(_expected(acceptance(r), k) for r, k in zip(requests, ks))
-    seconds = costs.verify(rows) + _draft_seconds(requests, ks, costs)
+    rows, tokens, seconds = _planned(requests, ks, costs, acceptance)
     while True:
         move, gain, cost = _best_move(requests, ks, rows, costs, acceptance)
         if not move or gain * seconds <= MARGIN * tokens * cost:
@@ -416,6 +410,14 @@ def _best_move(requests: Sequence[DraftRequest], ks: Sequence[int], rows: int, c
                 draft = costs.draft_token(requests[i]) * shared_forward(size)
                 consider(level[:size], gain, draft + size * row + catch_ups)
     return best, best_gain, best_cost
+
+
+def _planned(requests: Sequence[DraftRequest], ks: Sequence[int], costs: Costs,
+             acceptance: Callable[[DraftRequest], float]) -> tuple[int, float, float]:
+    """A step in which request i drafts ``ks[i]``: its verify rows, expected tokens and seconds."""
+    rows = len(requests) + sum(ks)
+    tokens = sum(_expected(acceptance(r), k) for r, k in zip(requests, ks))
+    return rows, tokens, costs.verify(rows) + _draft_seconds(requests, ks, costs)
 
 
 def _draft_seconds(requests: Sequence[DraftRequest], ks: Sequence[int], costs: Costs) -> float:
