@@ -85,10 +85,13 @@ constexpr int REGISTERS = 16;
 
 // One row's attention for H query heads of one kv head (their scores in s, H rows of stride ld).
 // Keys per score block (J) and value lanes per pass (NV) are as many as fit the build's vector
-// registers: H * J score chains and H * NV value chains stay in registers. With 32 registers
-// the int4 draft's 7 heads a kv head took 9.8 against 20.9 us a row at 300 keys (J 3 against 1),
-// the 1.5B target's 6 heads 12.8 against 15.9 us at d = 128 (one thread, AMD EPYC Zen 4,
-// 2026-11-28); the bits are the same, since grouping changes no chain.
+// registers: H * J score chains and H * NV value chains stay in registers. The bits are the
+// same whatever the blocks, since grouping changes no chain. With the interleaved max and sum
+// below and the blocks of ``row_group``, a row at 300 keys (`scripts/attention_time/attention_time.sh
+// [attention.h] GROUP D 300`, one thread, AMD EPYC Zen 4, 2026-11-28, against the previous
+// kernel): the int4 draft's 7 heads of 64 a kv head 7.8 against 20.4 us (AVX-512 build) and 9.2
+// against 20.4 us (AVX2), the 1.5B target's 6 heads of 128 10.5 against 16.7 us (AVX-512) and
+// 13.4 against 16.0 us (AVX2).
 template <int H>
 inline void head_block(const float* q, const float* k, const float* v, int64_t d, int64_t len, float scale, float* out,
                 float* s, int64_t ld) {
@@ -101,18 +104,22 @@ inline void head_block(const float* q, const float* k, const float* v, int64_t d
         scores<H, J>(q, k + j * d, d, scale, s + j, ld);
     }
     for (; j < len; ++j) scores<H, 1>(q, k + j * d, d, scale, s + j, ld);
-    float inv[H];
+    // Each head's max and sum run over j in order; the heads' chains interleave, so that their
+    // latencies overlap rather than add up.
+    float m[H], total[H], inv[H];
+    for (int h = 0; h < H; ++h) m[h] = s[h * ld];
+    for (j = 1; j < len; ++j)
+        for (int h = 0; h < H; ++h) m[h] = s[h * ld + j] > m[h] ? s[h * ld + j] : m[h];
     for (int h = 0; h < H; ++h) {
         float* sh = s + h * ld;
-        float m = sh[0];
-        for (j = 1; j < len; ++j) m = sh[j] > m ? sh[j] : m;
-        for (j = len; j < ld; ++j) sh[j] = m;  // padding lanes: computed, never summed
-        const V8 mv = splat(m);
+        for (j = len; j < ld; ++j) sh[j] = m[h];  // padding lanes: computed, never summed
+        const V8 mv = splat(m[h]);
         for (j = 0; j < ld; j += 8) store(sh + j, exp8(sub(load(sh + j), mv)));
-        float total = 0.f;
-        for (j = 0; j < len; ++j) total += sh[j];
-        inv[h] = 1.f / total;
+        total[h] = 0.f;
     }
+    for (j = 0; j < len; ++j)
+        for (int h = 0; h < H; ++h) total[h] += s[h * ld + j];
+    for (int h = 0; h < H; ++h) inv[h] = 1.f / total[h];
     int64_t c = 0;
     for (; c + 8 * NV <= d; c += 8 * NV) weighted_sums<H, NV>(s, ld, v + c, d, len, inv, out + c);
     for (; c < d; c += 8) weighted_sums<H, 1>(s, ld, v + c, d, len, inv, out + c);
@@ -130,11 +137,11 @@ inline void rope_half(float* t, const float* c, const float* s, int64_t d) {
     }
 }
 
-// Most query heads per block: 8 with 32 registers; with 16, blocks of 7 or 8 heads leave room for
-// one key and one value vector a pass (J = NV = 1) and took twice a block of 6's time per head,
-// so a group splits into even blocks of up to 6 (7 heads: 4 and 3; 11.5 against 21.5 us a row at
-// 300 keys, d = 64, AVX2 build, the same machine and day).
-constexpr int64_t MAX_BLOCK = REGISTERS == 32 ? 8 : 6;
+// Most query heads per block: a group splits into even blocks of up to 7 heads (32 registers) or
+// 6 (16 registers). With 16, a block of 7 or 8 leaves room for one key and one value vector a pass
+// (J = NV = 1) and took twice a block of 6's time per head (the AVX2 figures above); with 32, 8
+// heads of 128 as 4 and 4 took 15.7 against 19.9 us as one block (the same script, GROUP 8).
+constexpr int64_t MAX_BLOCK = REGISTERS == 32 ? 7 : 6;
 
 // One row's attention for the query heads of one kv head, in even blocks of up to MAX_BLOCK heads.
 inline void row_group(const float* q, const float* k, const float* v, int64_t group, int64_t d, int64_t len,
@@ -153,8 +160,7 @@ inline void row_group(const float* q, const float* k, const float* v, int64_t gr
             case 4: head_block<4>(qh, k, v, d, len, scale, oh, s, ld); break;
             case 5: head_block<5>(qh, k, v, d, len, scale, oh, s, ld); break;
             case 6: head_block<6>(qh, k, v, d, len, scale, oh, s, ld); break;
-            case 7: head_block<7>(qh, k, v, d, len, scale, oh, s, ld); break;
-            default: head_block<8>(qh, k, v, d, len, scale, oh, s, ld); break;
+            default: head_block<7>(qh, k, v, d, len, scale, oh, s, ld); break;
         }
     }
 }
