@@ -16,7 +16,7 @@ end=$(grep -n "^void output_rows" "$kernel" | head -1 | cut -d: -f1)
 {
     echo '#include <cstdint>'
     echo 'namespace at { template <class F> void parallel_for(int64_t b, int64_t e, int64_t, F f) { f(b, e); } }'
-    sed -n "/^#include <omp.h>/,$((end - 1))p" "$kernel" | grep -v '#include "attention.h"'
+    sed -n "/^#include <omp.h>/,$((end - 1))p" "$kernel" | grep -v -e '#include "attention.h"' -e '#include "segments.h"'
     echo '}  // namespace'
     echo '#endif'
 } > "$work/kernel.inc"
