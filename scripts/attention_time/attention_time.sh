@@ -1,7 +1,7 @@
 #!/bin/bash
 # Time one row's attention (attention_time.cpp) in the AVX2 build and, where the CPU has it, the
 # AVX-512 one (the int4 draft's and the GGUF kernel's VNNI flags give 32 registers), pinned to one core:
-#   scripts/attention_time/attention_time.sh [ATTENTION.h] [GROUP D LEN]
+#   scripts/attention_time/attention_time.sh [ATTENTION.h [GROUP D LEN]]
 # ATTENTION.h defaults to the package's specdecode/models/csrc/attention.h (it reads the package's
 # lanes.h); the rest to the int4 0.5B draft's shape: 7 heads of 64 per kv head, 300 keys. To
 # compare, run it again with another copy (say, main's, from git show).
@@ -10,7 +10,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 csrc="$here/../../specdecode/models/csrc"
 header=$(realpath "${1:-$csrc/attention.h}")
 shift || true
-args=("${@:-7 64 300}")
+if (($#)); then args=("$@"); else args=(7 64 300); fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cp "$header" "$work/attention.h"

@@ -137,15 +137,16 @@ inline void rope_half(float* t, const float* c, const float* s, int64_t d) {
     }
 }
 
-// Most query heads per block: a group splits into even blocks of up to 7 heads (32 registers) or
+// Most query heads per block: a group splits into blocks of ceil(group / blocks) heads, at most 7 (32 registers) or
 // 6 (16 registers). With 16, a block of 7 or 8 leaves room for one key and one value vector a pass
 // (J = NV = 1) and took twice a block of 6's time per head (the AVX2 figures above); with 32, 8
 // heads of 128 as 4 and 4 took 15.7 against 19.9 us as one block (the same script, GROUP 8).
 constexpr int64_t MAX_BLOCK = REGISTERS == 32 ? 7 : 6;
 
-// One row's attention for the query heads of one kv head, in even blocks of up to MAX_BLOCK heads.
+// One row's attention for the query heads of one kv head, in blocks of up to MAX_BLOCK heads.
 inline void row_group(const float* q, const float* k, const float* v, int64_t group, int64_t d, int64_t len,
                float scale, float* out, std::vector<float>& buf) {
+    if (group <= 0) return;
     const int64_t ld = (len + 7) / 8 * 8;
     const int64_t blocks = (group + MAX_BLOCK - 1) / MAX_BLOCK, block = (group + blocks - 1) / blocks;
     buf.resize(block * ld);
