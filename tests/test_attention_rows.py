@@ -1,5 +1,5 @@
 """The row-wise native attention (``csrc/attention_rows.cpp``): near exact attention, every row's
-bits independent of the call it is in, and the AVX2 and portable builds equal bit for bit."""
+bits independent of the call it is in, and the portable, AVX2 and VNNI builds equal bit for bit."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from specdecode.models import kernel_build
 SHAPES = [(12, 2, 128), (14, 2, 64), (16, 2, 32), (4, 2, 16), (8, 8, 64), (6, 1, 24)]
 
 
-def _builds() -> list[object]:
-    builds = [kernel_build.load_attention(portable=True)]
-    if kernel_build.cpu_has_avx2_fma():
-        builds.append(kernel_build.load_attention(portable=False))
-    return builds
+def _builds() -> list[tuple[str, object]]:
+    """Every build this CPU runs, by name: portable, AVX2 and VNNI (whose AVX-512VL, where the
+    CPU has it, gives 32 vector registers and so other blocks of keys and value lanes)."""
+    return [(isa, kernel_build.load_attention(isa)) for isa in kernel_build.gguf_isas()]
 
 
 def _cache(hkv: int, cap: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,27 +45,28 @@ def test_matches_float64_attention(hq: int, hkv: int, d: int) -> None:
     q = torch.randn(7, hq, d, generator=torch.Generator().manual_seed(3)) * 2
     scale = 1 / math.sqrt(d)
     want = _reference(q, k, v, 150, scale)
-    for build in _builds():
+    for isa, build in _builds():
         got = build.attention_rows(q, k, v, 150, scale).double()
-        assert (got - want).abs().max() < 2e-5, build.avx2()
+        assert (got - want).abs().max() < 2e-5, isa
 
 
 @pytest.mark.parametrize("hq, hkv, d", SHAPES)
 def test_rows_bitwise_invariant_and_builds_agree(hq: int, hkv: int, d: int) -> None:
     """A row's bits are those it gets alone at its slot, whatever rows share the call (a prefill
-    equals token-by-token decoding), and both builds give them."""
+    equals token-by-token decoding), and every build gives them."""
     k, v = _cache(hkv, 64, d, seed=1)
     q = torch.randn(20, hq, d, generator=torch.Generator().manual_seed(2)) * 4
     scale = 1 / math.sqrt(d)
     results = []
-    for build in _builds():
+    for isa, build in _builds():
         alone = torch.cat([build.attention_rows(q[i : i + 1].contiguous(), k, v, 30 + i, scale) for i in range(20)])
         for n in (1, 2, 5, 9, 16, 20):
             for first in {0, 20 - n, (20 - n) // 2}:
                 got = build.attention_rows(q[first : first + n].contiguous(), k, v, 30 + first, scale)
-                assert torch.equal(got, alone[first : first + n]), (build.avx2(), n, first)
+                assert torch.equal(got, alone[first : first + n]), (isa, n, first)
         results.append(alone)
-    assert all(torch.equal(results[0], r) for r in results[1:]), "the AVX2 and portable builds differ"
+    names = [isa for isa, _ in _builds()]
+    assert all(torch.equal(results[0], r) for r in results[1:]), f"the builds {names} differ"
 
 
 def test_extreme_scores_stay_finite() -> None:
@@ -74,7 +74,7 @@ def test_extreme_scores_stay_finite() -> None:
     k, v = _cache(1, 40, 8, seed=4)
     k[0, 5] = 1e3  # one key dominates completely
     q = torch.ones(1, 1, 8)
-    for build in _builds():
+    for _, build in _builds():
         out = build.attention_rows(q, k, v, 39, 1.0)
         assert torch.isfinite(out).all() and torch.allclose(out[0], v[0, 5], atol=1e-6)
         flat = build.attention_rows(torch.zeros(1, 1, 8), k, v, 39, 1.0)  # all scores 0: the mean
@@ -83,7 +83,7 @@ def test_extreme_scores_stay_finite() -> None:
 
 @pytest.mark.parametrize("bad", ["rows past the cache", "odd head dim", "heads not grouped"])
 def test_bad_shapes_are_refused(bad: str) -> None:
-    build = _builds()[-1]
+    _, build = _builds()[-1]
     k, v = _cache(2, 16, 16, seed=5)
     q = torch.randn(4, 4, 16)
     with pytest.raises(RuntimeError):

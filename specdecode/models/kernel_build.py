@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -156,6 +157,20 @@ def gguf_flags(isa: str) -> list[str]:
     return flags + _vnni_flags() if isa == "vnni" else flags
 
 
+def _default_build(load: Callable[[str], ModuleType], what: str) -> ModuleType:
+    """``load`` of the build models use here (``gguf_isa()``). A default VNNI build that fails
+    (say, a compiler too old for ``-mavxvnni``) falls back to the AVX2 build, which has the same
+    bits; one asked for by name (``SPECDECODE_GGUF_ISA``) does not."""
+    isa = gguf_isa()
+    if isa != "vnni" or os.environ.get("SPECDECODE_GGUF_ISA"):
+        return load(isa)
+    try:
+        return load("vnni")
+    except UnsupportedModelError as exc:
+        log.warning(f"specdecode: {what}'s VNNI build failed, using its AVX2 build ({exc})")
+        return load("avx2")
+
+
 @functools.cache
 def load_gguf(isa: str | None = None) -> ModuleType:
     """The GGUF kernel (``csrc/linear_gguf.cpp``) in its ``isa`` build (default ``gguf_isa()``),
@@ -165,14 +180,7 @@ def load_gguf(isa: str | None = None) -> ModuleType:
     if isa is None:
         if not cpu_has_avx2_fma():
             log.warning("specdecode: this CPU lacks AVX2/FMA; GGUF models run on the portable kernel (slower)")
-        isa = gguf_isa()
-        if isa != "vnni" or os.environ.get("SPECDECODE_GGUF_ISA"):
-            return load_gguf(isa)
-        try:
-            return load_gguf("vnni")
-        except UnsupportedModelError as exc:
-            log.warning(f"specdecode: the GGUF kernel's VNNI build failed, using its AVX2 build ({exc})")
-            return load_gguf("avx2")
+        return _default_build(load_gguf, "the GGUF kernel")
     _check_isa(isa)
 
     def failed(reason: str) -> None:
@@ -183,18 +191,22 @@ def load_gguf(isa: str | None = None) -> ModuleType:
 
 
 @functools.cache
-def load_attention(portable: bool | None = None) -> ModuleType:
-    """The row-wise attention (``csrc/attention_rows.cpp``) native GGUF models use: the GGUF
-    kernel's portable or AVX2 flags (it has no integer products for VNNI to fuse; by default
-    portable when the GGUF build is), and the same refusal naming ``--quantize none``."""
-    if portable is None:
-        portable = gguf_isa() == "portable"
+def load_attention(isa: str | None = None) -> ModuleType:
+    """The row-wise attention (``csrc/attention_rows.cpp``) native GGUF models use, built with the
+    GGUF kernel's ``isa`` flags (default: the build GGUF models use here, ``gguf_isa()``): it has
+    no integer products, but the VNNI build's AVX-512VL gives its blocks of heads 32 vector
+    registers (``csrc/attention.h``). All builds give the same bits. A failed build raises the
+    same refusal as the GGUF kernel's, naming ``--quantize none``; a default VNNI build that fails
+    falls back to the AVX2 build."""
+    if isa is None:
+        return _default_build(load_attention, "the attention kernel")
+    _check_isa(isa)
 
     def failed(reason: str) -> None:
         raise UnsupportedModelError(f"the native attention kernel is unavailable: {reason}; "
                                     "run the model dequantized with --quantize none")
 
-    return _build(ATTENTION_SOURCE, "attention_rows", gguf_flags("portable" if portable else "avx2"), failed)
+    return _build(ATTENTION_SOURCE, "attention_rows", gguf_flags(isa), failed)
 
 
 # Part of every build folder's name: it changes when the way processes share a folder changes, so

@@ -97,7 +97,7 @@ inline void head_block(const float* q, const float* k, const float* v, int64_t d
                 float* s, int64_t ld) {
     constexpr int J = REGISTERS == 32 ? (H == 1 ? 4 : H == 2 ? 8 : H == 3 ? 6 : H <= 5 ? 4 : 3)
                                       : (H == 1 ? 4 : H <= 4 ? 3 : H <= 6 ? 2 : 1);
-    constexpr int NV = REGISTERS == 32 ? (H <= 3 ? 8 : H <= 7 ? 4 : 2) : (H == 1 ? 8 : H <= 3 ? 4 : H <= 6 ? 2 : 1);
+    constexpr int NV = REGISTERS == 32 ? (H <= 3 ? 8 : 4) : (H == 1 ? 8 : H <= 3 ? 4 : H <= 6 ? 2 : 1);
     int64_t j = 0;
     for (; j + J <= len; j += J) {
         prefetch_lanes(k + (j + KEYS_AHEAD) * d, J * d);
