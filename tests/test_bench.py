@@ -335,6 +335,22 @@ def test_speedup_is_the_geometric_mean_of_per_prompt_ratios():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 2, 3]) == 2
 
 
+def test_speedup_interval_brackets_the_mean_and_narrows_with_agreeing_prompts():
+    """The bootstrap interval over prompts holds the geometric mean, is reproducible, is a point
+    when every prompt gives the same ratio, and is absent with too few prompts to resample."""
+    ratios = [1.1, 1.5, 0.9, 1.3, 1.2, 1.6, 1.0]
+    rows = [r for i, x in enumerate(ratios) for r in (_row(f"p{i}", "none", 10, 1.0), _row(f"p{i}", "ngram", 10, 1.0 / x))]
+    s = summarize(rows, {}, target_step_s=None)
+    m = s["methods"]["ngram"]
+    low, high = m["speedup_vs_none_interval"]
+    assert low < m["speedup_vs_none"] < high and min(ratios) <= low and high <= max(ratios)
+    assert summarize(rows, {}, target_step_s=None)["methods"]["ngram"]["speedup_vs_none_interval"] == [low, high]
+    assert s["methods"]["none"]["speedup_vs_none_interval"] == pytest.approx([1.0, 1.0])
+    assert f"({low:.2f}-{high:.2f})" in render_markdown(s)
+    few = summarize(rows[:4], {}, target_step_s=None)  # two prompts
+    assert few["methods"]["ngram"]["speedup_vs_none_interval"] is None
+
+
 def test_limit_counts_every_target_forward():
     """tau leaves out steps that drafted nothing; the limit may not, or it would be unreachable."""
     spec = dict(base_method="ngram", k=8, drafts=2, draft_tokens=8, accepted_tokens=6,

@@ -59,6 +59,13 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def _speedup(m: dict[str, Any]) -> str:
+    """A method's speed-up over ``none``, with its 95% interval over the prompts where there is one."""
+    interval = m.get("speedup_vs_none_interval")
+    shown = _fmt(m["speedup_vs_none"], ".2f", "x")
+    return f"{shown} ({interval[0]:.2f}-{interval[1]:.2f})" if interval and m["speedup_vs_none"] is not None else shown
+
+
 def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> str:
     """The summary as tables a person reads: methods, peers, categories, advice, failures."""
     lines = _header(summary)
@@ -70,7 +77,7 @@ def render_markdown(summary: dict[str, Any], plots: list[str] | None = None) -> 
     for name, m in summary["methods"].items():
         versus = "".join(f"| {_fmt(m.get(key), '.2f', 'x')} " for key, _ in versus_peers)
         lines.append(
-            f"| {name} | {_fmt(m.get('k'), 'd')} | {_fmt(m['tokens_per_s'])} | {_fmt(m['speedup_vs_none'], '.2f', 'x')} "
+            f"| {name} | {_fmt(m.get('k'), 'd')} | {_fmt(m['tokens_per_s'])} | {_speedup(m)} "
             f"| {_fmt(m.get('speedup_vs_hf'), '.2f', 'x')} {versus}| {_fmt(m['mean_acceptance_length'])} "
             f"| {_fmt(m.get('mean_accepted_tokens'))} | {_fmt(m['acceptance_rate'], '.0%')} | {_fmt(m['ttft_s'])} | {_fmt(_ms(m['tpot_s']), '.0f')} "
             f"| {_fmt(m['identical_to_none'])} | {_fmt(m.get('limit_tokens_per_s'))} | {_fmt(m.get('efficiency'), '.0%')} |"
@@ -121,7 +128,7 @@ def _header(summary: dict[str, Any]) -> list[str]:
     if settings:
         shown = (f"{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in settings.items())
         lines += ["", "Settings: " + "; ".join(shown)]
-    notes = [f"Speedups: {summary.get('speedup_aggregation', '')}."]
+    notes = [f"Speedups: {summary.get('speedup_aggregation', '')}; in brackets, a 95% bootstrap interval over the prompts."]
     if summary.get("target_step_s"):
         notes.append(f"One single-token target step: {summary['target_step_s'] * 1e3:.1f} ms.")
     if summary.get("peak_rss_mb"):
