@@ -14,7 +14,7 @@ How figures are pooled (stated here because a benchmark is only as honest as its
   about 1.5x, translation about 1.0x) and each prompt's timing carries the host's noise, so over
   the 21 prompts of ``--workload all --limit 3`` a combined 1.26x spanned 1.18-1.34x (AMD EPYC
   Zen 4, 2026-11-28): a goal inside the interval is not told apart from the figure. None with
-  fewer than 3 prompts.
+  fewer than 3 prompts, and for ``none`` itself.
   ``speedup_vs_hf`` is the same against ``hf_target`` and ``speedup_vs_llamacpp`` against
   ``llamacpp_target`` (llama.cpp's plain decoding); each is absent when that peer did not run.
 * A peer's ``agreement`` = the tokens of its greedy outputs before their first divergence from
@@ -72,7 +72,7 @@ def summarize(rows: Sequence[Row], meta: dict[str, Any], *, target_step_s: float
     for name, rs in by_name.items():
         entry = _aggregate(rs, target_step_s)
         entry["speedup_vs_none"] = _geomean_ratio(rates[name], rates.get(BASELINE))
-        entry["speedup_vs_none_interval"] = _geomean_interval(rates[name], rates.get(BASELINE))
+        entry["speedup_vs_none_interval"] = _geomean_interval(rates[name], rates.get(BASELINE)) if name != BASELINE else None
         for key, base in baselines.items():
             entry[key] = _geomean_ratio(rates[name], base)
         if rs[0]["kind"] == "peer":
