@@ -278,6 +278,34 @@ def test_identity_check_catches_a_broken_method(tiny_pair, capsys):
     assert "broken" in summary["advice"]["excluded"] and summary["advice"]["best_method"] != "broken"
 
 
+def test_contestants_take_turns_running_first_and_none_stays_the_reference(tiny_pair, capsys):
+    """Each prompt starts with the next contestant (A B C, B C A, C A B), so none does not always
+    run first; rows are still recorded none first, and a broken method is caught whichever ran
+    before it."""
+    from specdecode.api import LLM
+
+    llm = LLM(*map(str, tiny_pair), method="draft_model", progress=False)
+    order: list[str] = []
+
+    def logged(c: Contestant) -> Contestant:
+        def generate(ids, params):
+            order.append(c.name)
+            return c.generate(ids, params)
+
+        return replace(c, generate=generate)
+
+    contestants = our_contestants(llm, plan_runs(["none", "ngram"], [3], False))
+    contestants = [logged(c) for c in [*contestants, _broken(contestants[1])]]
+    prompts = [load_workloads([w])[0] for w in ("chat", "code", "math")]
+    result = run_benchmark(contestants, prompts, SamplingParams(max_tokens=10), llm.chat_prompt_ids, progress=False)
+    measured = order[len(contestants):]  # after one warm-up each, in the given order
+    assert measured == ["none", "ngram", "broken", "ngram", "broken", "none", "broken", "none", "ngram"]
+    assert [r["method"] for r in result.rows] == ["none", "ngram", "broken"] * 3
+    assert [f["method"] for f in result.failures] == ["broken"] * 3
+    assert all(r["identical"] for r in result.rows if r["method"] != "broken")
+    assert "IDENTITY MISMATCH" in capsys.readouterr().err
+
+
 def test_cli_exits_1_and_reports_a_mismatch(tiny_pair, tmp_path, monkeypatch, capsys):
     import specdecode.bench.runner as runner
 

@@ -2,7 +2,9 @@
 
 Fairness rules: one process; contestants interleaved per prompt (for each
 prompt, for each repeat: A B C), so slow drift of the machine (thermal state, another process, the
-page cache) hits every method alike; one warm-up generation per contestant before any timing;
+page cache) hits every method alike, and their order rotated from one prompt and repeat to the
+next (A B C, B C A, C A B, ...), so that no method always runs first or right after another;
+one warm-up generation per contestant before any timing;
 prefill and decode times kept apart. Under greedy decoding every output is compared token by token
 with ``none`` on the same prompt and repeat: a mismatch is printed loudly and recorded, never
 averaged away.
@@ -215,8 +217,10 @@ def run_benchmark(
     detached: Sequence[Detached] = (),
     fresh: Callable[[], None] | None = None,
 ) -> BenchResult:
-    """Warm up, then for each prompt, each repeat, each contestant in order: converse and record;
-    then each ``detached`` contestant alone, on every prompt and repeat.
+    """Warm up, then for each prompt and repeat, each contestant in turn, starting one further
+    along each time (``_rotated``): converse; then record the prompt's rows in the given order
+    (``none`` first, the reference the others are checked against); then each ``detached``
+    contestant alone, on every prompt and repeat.
 
     ``render`` turns a message list into the contestants' prompt (for our engine: the chat
     template's token ids). ``fresh`` forgets our engine's cached prefixes; it runs before every
@@ -241,16 +245,19 @@ def run_benchmark(
         for index, prompt in enumerate(prompts):
             prompt_params = _seeded(params, index)
             for rep in range(repeat):
-                for contestant in contestants:
+                outputs: dict[int, list[GenerationOutput]] = {}
+                for i in _rotated(len(contestants), index * repeat + rep):
+                    contestant = contestants[i]
                     bar.set_postfix_str(f"{prompt.id} {contestant.name}", refresh=False)
                     if fresh is not None:
                         fresh()
-                    outputs = converse(contestant.generate, prompt, prompt_params, render)
-                    if contestant.name == BASELINE and contestant.kind == "ours":
-                        references[index, rep] = outputs
-                    ref = references.get((index, rep)) if _comparable(params, contestant) and contestant.name != BASELINE else None
-                    _record(result, prompt, contestant, rep, outputs, ref, on_row, bar)
+                    outputs[i] = converse(contestant.generate, prompt, prompt_params, render)
                     bar.update(1)
+                for i, contestant in enumerate(contestants):  # recorded in the given order: none's first
+                    if contestant.name == BASELINE and contestant.kind == "ours":
+                        references[index, rep] = outputs[i]
+                    ref = references.get((index, rep)) if _comparable(params, contestant) and contestant.name != BASELINE else None
+                    _record(result, prompt, contestant, rep, outputs[i], ref, on_row, bar)
         for item in detached:
             try:
                 _run_detached(item, result, prompts, params, render, repeat, references, on_row, bar)
@@ -283,6 +290,12 @@ def _run_detached(item: Detached, result: BenchResult, prompts: Sequence[Prompt]
         result.rows.append(row)
         if on_row is not None:
             on_row(row)
+
+
+def _rotated(n: int, shift: int) -> list[int]:
+    """Indices 0 .. n - 1 starting at ``shift`` mod n: the run order of a prompt's contestants."""
+    start = shift % n
+    return [*range(start, n), *range(start)]
 
 
 def _seeded(params: SamplingParams, index: int) -> SamplingParams:
