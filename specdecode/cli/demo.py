@@ -35,11 +35,13 @@ METHODS = ("none", "combined", "draft_model", "ngram")  # combined: the default 
 
 def interleaved_runs(generate: Callable[[str], GenerationOutput], methods: Sequence[str],
                      rounds: int) -> dict[str, list[GenerationOutput]]:
-    """``generate(method)`` for every method in turn, ``rounds`` times over (a drift of the machine's
-    speed then falls on every method alike); each method's outputs in the order they ran."""
+    """``generate(method)`` for every method in turn, ``rounds`` times over, each round starting one
+    method further along (a drift of the machine's speed then falls on every method alike, and no
+    method always runs first or after the same one); each method's outputs in the order they ran."""
     runs: dict[str, list[GenerationOutput]] = {m: [] for m in methods}
-    for _ in range(rounds):
-        for method in methods:
+    for r in range(rounds):
+        for i in range(len(methods)):
+            method = methods[(r + i) % len(methods)]
             runs[method].append(generate(method))
     return runs
 
