@@ -3,15 +3,17 @@ answers, at fixed costs: what a change to how copies are priced does, without a 
 timing noise (``scripts/policy_sim.py`` does the same for the draft model's drafts).
 
 Greedy speculative decoding emits exactly the plain output, so a copy's fate follows from the
-recorded answer (the ``none`` rows of a bench's results.jsonl): each step the drafter offers its
-copy (``Drafter.sources``, named by match bucket), the policy (``engine/policy.py``'s
-``CostModel``, one for the whole replay, as in a bench) picks its length, the step keeps the
-copy's leading tokens that match the answer plus one, and the policy records the step. A copy
-costs only its verify rows: a step of r rows costs ``--step-ms`` times 1 + ``--row-share`` (r - 1).
-Prints each category's speed over plain decoding as the bench computes it (prompt prefill
-included, the geometric mean of per-prompt ratios). With ``--oracle``, every step instead copies
-exactly the tokens the answer keeps (none when the first would be refused): the most any pricing
-of these copies can reach.
+recorded answer (the ``none`` rows of a bench's results.jsonl): after the prefill (which gives
+the answer's first token), each step the drafter offers its copy (``Drafter.sources``, named by
+match bucket), the policy (``engine/policy.py``'s ``CostModel``, one for the whole replay, as in
+a bench) picks its length, the step keeps the copy's leading tokens that match the answer plus
+one, and the policy records the step. A copy costs only its verify rows: a step of r rows costs
+``--step-ms`` times 1 + ``--row-share`` (r - 1). The answer's length bounds each step's room, as
+in ``scripts/policy_sim.py`` (a real request does not know where its answer ends). Prints each
+category's speed over plain decoding as the bench pools it (prompt prefill included, the
+geometric mean of per-prompt ratios). With ``--oracle``, every step instead copies exactly the
+tokens the answer keeps (none when the first would be refused): the best step by step, a bound
+on what any pricing of these copies reaches.
 
     python scripts/copy_replay.py bench-results/s55/greedy1/results.jsonl [--row-share 0.19] [--oracle]
 """
@@ -53,11 +55,14 @@ def main() -> None:
     ratios: dict[str, list[float]] = defaultdict(list)
     copied: dict[str, int] = defaultdict(int)
     for prompt_id, answer in answers.items():
+        if prompt_id not in prompts:  # a workload outside the built-in ones (file-edit, agent)
+            continue
         prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompts[prompt_id].turns[0]}]))
         seq = SequenceState(list(prompt), len(prompt), SamplingParams(max_tokens=len(answer)))
         drafter, states = NgramDrafter(), {}
         drafter.begin(seq)
-        pos, seconds = 0, 0.0
+        seq.token_ids.append(answer[0])  # the prefill's token
+        pos, seconds = 1, 0.0
         while pos < len(answer):
             room = min(args.k_max, MAX_SPECULATIVE_TOKENS, len(answer) - pos - 1)
             sources = drafter.sources(seq) if room > 0 else ()
@@ -84,7 +89,7 @@ def main() -> None:
             pos += kept + 1
             copied[prompts[prompt_id].category] += len(draft)
         prefill = len(prompt) * args.prefill_ms / 1e3
-        ratios[prompts[prompt_id].category].append((prefill + len(answer) * step_s) / (prefill + seconds))
+        ratios[prompts[prompt_id].category].append((prefill + (len(answer) - 1) * step_s) / (prefill + seconds))
     for category, rs in ratios.items():
         print(f"{category:14s} {_geomean(rs):.3f}x  copied {copied[category]}")
     print(f"{'all':14s} {_geomean([r for rs in ratios.values() for r in rs]):.3f}x")

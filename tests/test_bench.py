@@ -363,20 +363,28 @@ def test_speedup_is_the_geometric_mean_of_per_prompt_ratios():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 2, 3]) == 2
 
 
-def test_speedup_interval_brackets_the_mean_and_narrows_with_agreeing_prompts():
-    """The bootstrap interval over prompts holds the geometric mean, is reproducible, is a point
-    when every prompt gives the same ratio, and is absent with too few prompts to resample."""
-    ratios = [1.1, 1.5, 0.9, 1.3, 1.2, 1.6, 1.0]
-    rows = [r for i, x in enumerate(ratios) for r in (_row(f"p{i}", "none", 10, 1.0), _row(f"p{i}", "ngram", 10, 1.0 / x))]
-    s = summarize(rows, {}, target_step_s=None)
+def test_speedup_interval_brackets_the_mean_within_each_categorys_spread():
+    """The bootstrap interval over prompts holds the geometric mean, is reproducible, resamples
+    within categories (a category whose prompts agree adds no spread, however far it lies from
+    the others), and is absent with too few prompts for its percentiles to mean much."""
+    def rows_of(ratios: dict[str, list[float]]) -> list[dict]:
+        return [r for c, xs in ratios.items() for i, x in enumerate(xs)
+                for r in (_row(f"{c}{i}", "none", 10, 1.0, category=c), _row(f"{c}{i}", "ngram", 10, 1.0 / x, category=c))]
+
+    spread = {"a": [1.1, 1.5, 0.9, 1.3], "b": [1.2, 1.6, 1.0, 1.4], "c": [1.0, 1.2, 0.8, 1.1]}
+    s = summarize(rows_of(spread), {}, target_step_s=None)
     m = s["methods"]["ngram"]
     low, high = m["speedup_vs_none_interval"]
-    assert low < m["speedup_vs_none"] < high and min(ratios) <= low and high <= max(ratios)
-    assert summarize(rows, {}, target_step_s=None)["methods"]["ngram"]["speedup_vs_none_interval"] == [low, high]
+    assert low < m["speedup_vs_none"] < high and 0.8 <= low and high <= 1.6
+    assert summarize(rows_of(spread), {}, target_step_s=None)["methods"]["ngram"]["speedup_vs_none_interval"] == [low, high]
     assert s["methods"]["none"]["speedup_vs_none_interval"] is None  # the baseline against itself
-    assert f"({low:.2f}-{high:.2f})" in render_markdown(s)
-    few = summarize(rows[:4], {}, target_step_s=None)  # two prompts
+    assert f"({low:.2f}-{high:.2f})" in render_markdown(s) and "bootstrap interval" in render_markdown(s)
+    steady = {"a": [1.5] * 4, "b": [1.0] * 4, "c": [1.2] * 4}  # far apart, each steady
+    assert summarize(rows_of(steady), {}, target_step_s=None)["methods"]["ngram"]["speedup_vs_none_interval"] == \
+        pytest.approx([math.exp((math.log(1.5) + math.log(1.2)) / 3)] * 2)
+    few = summarize(rows_of({"a": [1.1, 1.5, 0.9]}), {}, target_step_s=None)
     assert few["methods"]["ngram"]["speedup_vs_none_interval"] is None
+    assert "bootstrap interval" not in render_markdown(few)
 
 
 def test_limit_counts_every_target_forward():

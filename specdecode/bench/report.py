@@ -128,7 +128,9 @@ def _header(summary: dict[str, Any]) -> list[str]:
     if settings:
         shown = (f"{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in settings.items())
         lines += ["", "Settings: " + "; ".join(shown)]
-    notes = [f"Speedups: {summary.get('speedup_aggregation', '')}; in brackets, a 95% bootstrap interval over the prompts."]
+    bracketed = any(m.get("speedup_vs_none_interval") for m in summary.get("methods", {}).values())
+    notes = [f"Speedups: {summary.get('speedup_aggregation', '')}"
+             + ("; beside ours, in brackets, a 95% bootstrap interval over the prompts." if bracketed else ".")]
     if summary.get("target_step_s"):
         notes.append(f"One single-token target step: {summary['target_step_s'] * 1e3:.1f} ms.")
     if summary.get("peak_rss_mb"):

@@ -8,13 +8,16 @@ How figures are pooled (stated here because a benchmark is only as honest as its
   (``none`` tokens/s on the same prompt), each per-prompt rate pooled over its turns and repeats.
   Pairing by prompt keeps long and short answers from weighting the ratio, and the geometric
   mean is the one average of ratios that is symmetric (a 2x win and a 2x loss cancel).
-  ``speedup_vs_none_interval`` = [low, high]: a 95% bootstrap interval of that mean over the
-  prompts (resampled with replacement, 2000 times, seeded): how far the figure would move on
-  another draw of as many prompts like these, each timed once more. Categories differ (code
-  about 1.5x, translation about 1.0x) and each prompt's timing carries the host's noise, so over
-  the 21 prompts of ``--workload all --limit 3`` a combined 1.26x spanned 1.18-1.34x (AMD EPYC
-  Zen 4, 2026-11-28): a goal inside the interval is not told apart from the figure. None with
-  fewer than 3 prompts, and for ``none`` itself.
+  ``speedup_vs_none_interval`` = [low, high] for each of our methods: a 95% bootstrap interval
+  of that mean (2000 resamples, seeded), each resample drawing as many prompts of each category
+  as the run had, with replacement, from that category's: how far the figure would move on
+  another draw of prompts like these in the same mix, each timed once more. Prompts within a
+  category differ and each prompt's timing carries the host's noise, so over the 21 prompts of
+  ``--workload all --limit 3`` a combined 1.26x spanned 1.23-1.30x and a 1.27x 1.19-1.35x
+  (docs/BENCHMARKS.md, "At the defaults"): a goal inside the interval is not told apart from
+  the figure. None with fewer
+  than ``INTERVAL_MIN_PROMPTS`` prompts (with a handful the percentiles are just the extremes
+  and hold the mean far less often than 95%), and for ``none`` itself.
   ``speedup_vs_hf`` is the same against ``hf_target`` and ``speedup_vs_llamacpp`` against
   ``llamacpp_target`` (llama.cpp's plain decoding); each is absent when that peer did not run.
 * A peer's ``agreement`` = the tokens of its greedy outputs before their first divergence from
@@ -64,6 +67,7 @@ def summarize(rows: Sequence[Row], meta: dict[str, Any], *, target_step_s: float
     names = list(dict.fromkeys(r["method"] for r in rows))
     by_name = {n: [r for r in rows if r["method"] == n] for n in names}
     rates = {n: _per_prompt_rates(rs) for n, rs in by_name.items()}
+    categories = {r["prompt_id"]: r["category"] for r in rows}
     baselines = {key: rates[name] for key, name in (("speedup_vs_hf", HF_BASELINE),
                                                     ("speedup_vs_llamacpp", LLAMACPP_BASELINE),
                                                     ("speedup_vs_vllm", VLLM_BASELINE)) if name in rates}
@@ -72,7 +76,8 @@ def summarize(rows: Sequence[Row], meta: dict[str, Any], *, target_step_s: float
     for name, rs in by_name.items():
         entry = _aggregate(rs, target_step_s)
         entry["speedup_vs_none"] = _geomean_ratio(rates[name], rates.get(BASELINE))
-        entry["speedup_vs_none_interval"] = _geomean_interval(rates[name], rates.get(BASELINE)) if name != BASELINE else None
+        entry["speedup_vs_none_interval"] = (_geomean_interval(rates[name], rates.get(BASELINE), categories)
+                                             if name != BASELINE else None)
         for key, base in baselines.items():
             entry[key] = _geomean_ratio(rates[name], base)
         if rs[0]["kind"] == "peer":
@@ -303,22 +308,28 @@ def _geomean_ratio(rates: dict[str, float], base: dict[str, float] | None) -> fl
 
 
 INTERVAL_RESAMPLES = 2000
-INTERVAL_MIN_PROMPTS = 3
+INTERVAL_MIN_PROMPTS = 10
 
 
-def _geomean_interval(rates: dict[str, float], base: dict[str, float] | None,
+def _geomean_interval(rates: dict[str, float], base: dict[str, float] | None, categories: dict[str, str],
                       level: float = 0.95) -> list[float] | None:
     """A percentile bootstrap interval (``level``) of ``_geomean_ratio`` over the prompts both
-    measured; the same resamples in every run (seeded), so a report is reproducible from its rows."""
+    measured, resampled within each prompt's category (``categories``: prompt id -> category);
+    the same resamples in every run (seeded), so a report is reproducible from its rows."""
     if not base:
         return None
-    logs = [math.log(rates[p] / base[p]) for p in sorted(rates) if p in base and base[p] > 0 and rates[p] > 0]
-    if len(logs) < INTERVAL_MIN_PROMPTS:
+    strata: dict[str, list[float]] = defaultdict(list)
+    for p in sorted(rates):
+        if p in base and base[p] > 0 and rates[p] > 0:
+            strata[categories.get(p, "")].append(math.log(rates[p] / base[p]))
+    count = sum(len(logs) for logs in strata.values())
+    if count < INTERVAL_MIN_PROMPTS:
         return None
     rng = random.Random(0)
-    means = sorted(sum(rng.choices(logs, k=len(logs))) / len(logs) for _ in range(INTERVAL_RESAMPLES))
+    groups = [strata[c] for c in sorted(strata)]
+    means = sorted(sum(sum(rng.choices(logs, k=len(logs))) for logs in groups) / count for _ in range(INTERVAL_RESAMPLES))
     tail = (1 - level) / 2
-    low, high = means[int(tail * INTERVAL_RESAMPLES)], means[int((1 - tail) * INTERVAL_RESAMPLES) - 1]
+    low, high = means[round(tail * INTERVAL_RESAMPLES)], means[round((1 - tail) * INTERVAL_RESAMPLES) - 1]
     return [math.exp(low), math.exp(high)]
 
 
