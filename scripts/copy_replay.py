@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 from collections import defaultdict
 
 from specdecode.bench.workloads import WORKLOAD_NAMES, load_workloads
@@ -91,8 +91,8 @@ def main() -> None:
         prefill = len(prompt) * args.prefill_ms / 1e3
         ratios[prompts[prompt_id].category].append((prefill + (len(answer) - 1) * step_s) / (prefill + seconds))
     for category, rs in ratios.items():
-        print(f"{category:14s} {_geomean(rs):.3f}x  copied {copied[category]}")
-    print(f"{'all':14s} {_geomean([r for rs in ratios.values() for r in rs]):.3f}x")
+        print(f"{category:14s} {statistics.geometric_mean(rs):.3f}x  copied {copied[category]}")
+    print(f"{'all':14s} {statistics.geometric_mean([r for rs in ratios.values() for r in rs]):.3f}x")
 
 
 def _leading(draft: list[int], answer: list[int], pos: int) -> list[int]:
@@ -101,10 +101,6 @@ def _leading(draft: list[int], answer: list[int], pos: int) -> list[int]:
     while n < len(draft) and pos + n < len(answer) and draft[n] == answer[pos + n]:
         n += 1
     return draft[:n]
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 if __name__ == "__main__":

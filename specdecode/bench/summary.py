@@ -299,11 +299,16 @@ def _per_prompt_rates(rows: Iterable[Row]) -> dict[str, float]:
     return {p: tokens[p] / seconds[p] for p in tokens if seconds[p] > 0 and tokens[p] > 0}
 
 
+def _log_ratios(rates: dict[str, float], base: dict[str, float]) -> dict[str, float]:
+    """log(rates[p] / base[p]) for each prompt p both measured, in prompt order."""
+    return {p: math.log(rates[p] / base[p]) for p in sorted(rates) if p in base and base[p] > 0 and rates[p] > 0}
+
+
 def _geomean_ratio(rates: dict[str, float], base: dict[str, float] | None) -> float | None:
     """Geometric mean of rates[p] / base[p] over the prompts both measured."""
     if not base:
         return None
-    logs = [math.log(rates[p] / base[p]) for p in rates if p in base and base[p] > 0 and rates[p] > 0]
+    logs = list(_log_ratios(rates, base).values())
     return math.exp(sum(logs) / len(logs)) if logs else None
 
 
@@ -319,9 +324,8 @@ def _geomean_interval(rates: dict[str, float], base: dict[str, float] | None, ca
     if not base:
         return None
     strata: dict[str, list[float]] = defaultdict(list)
-    for p in sorted(rates):
-        if p in base and base[p] > 0 and rates[p] > 0:
-            strata[categories.get(p, "")].append(math.log(rates[p] / base[p]))
+    for p, log in _log_ratios(rates, base).items():
+        strata[categories.get(p, "")].append(log)
     count = sum(len(logs) for logs in strata.values())
     if count < INTERVAL_MIN_PROMPTS:
         return None
