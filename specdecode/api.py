@@ -22,6 +22,7 @@ from specdecode.drafters.draft_vocab import restricted_draft
 from specdecode.drafters.vocab import same_vocabulary
 from specdecode.engine.engine import MAX_BATCH, Engine
 from specdecode.engine.generation import GenerationOutput, StreamEvent
+from specdecode.engine.openmp import release_pool
 from specdecode.engine.samples import best, sample_params
 from specdecode.models.watch import WATCH
 from specdecode.models.prefix_cache import PrefixCache, companion, parse_memory
@@ -149,6 +150,7 @@ class LLM:
                                         lambda: self.self_skip, self.eagle_head, self.medusa_heads,
                                         quantize_heads=draft_quantize not in (None, "none"),
                                         draft_prefixes=self.draft_prefixes)
+        release_pool()  # loading started OpenMP workers here; the steps may run on another thread
 
     def clear_prefix_cache(self) -> None:
         """Forget every kept prefix (the target's and the draft model's): the next requests start

@@ -26,8 +26,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdecode.api import LLM
+from specdecode.engine.openmp import release_pool
 from specdecode.errors import DamagedCacheError, InvalidConstraintError, SpecDecodeError
 from specdecode.models.watch import WATCH
+from specdecode.params import Constraint
 from specdecode.server.connections import DEFAULT_BODY_TIMEOUT_S
 from specdecode.server.http_errors import APIError, bad_request, from_spec_error, from_validation_error
 from specdecode.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -50,6 +52,15 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits a 32k-
 _DRAIN_CAP_BYTES = 64 << 20  # read (and drop) at most this much of an oversized body
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/health")
 CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
+
+
+def _check_constraint(llm: LLM, constraint: Constraint) -> None:
+    """``GrammarCompiler.check`` on an executor thread, which then gives back the OpenMP workers its
+    vocabulary-wide masks may have started (engine/openmp.py: a second pool slows every step)."""
+    try:
+        llm.engine.grammars.check(constraint)
+    finally:
+        release_pool()
 
 
 def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
@@ -138,7 +149,7 @@ def create_app(llm: LLM, scheduler: JobQueue, api_key: str | None = None, *,
             prepared = prepare_chat(req, llm) if chat else prepare_completion(req, llm)
             _check_samples(prepared, scheduler.max_samples)
             if prepared.params.constraint is not None:  # compile it now: a bad schema is a 400, not a failed stream
-                await asyncio.to_thread(llm.engine.grammars.check, prepared.params.constraint)
+                await asyncio.to_thread(_check_constraint, llm, prepared.params.constraint)
             jobs = scheduler.submit_samples(prepared.prompt_ids, prepared.samples())
         except InvalidConstraintError as exc:
             raise bad_request(str(exc), constraint_param(req), "invalid_value") from None

@@ -43,6 +43,7 @@ from typing import Any
 from specdecode.api import LLM
 from specdecode.engine.batch import Batch
 from specdecode.engine.generation import StreamEvent
+from specdecode.engine.openmp import release_pool
 from specdecode.errors import KVCacheFullError, ServerBusyError
 from specdecode.params import SamplingParams
 from specdecode.server.k_by_load import KSchedule
@@ -149,6 +150,7 @@ class Scheduler(JobQueue):
         self._running: set[Job] = set()
         self._closed = False
         self.memory_waits = 0  # times the queue's head waited for a running request to free memory
+        release_pool()  # the steps run on the worker below: no OpenMP pool of this thread may throttle its barriers
         self._thread = threading.Thread(target=self._work, name="specdecode-scheduler", daemon=True)
         self._thread.start()
 
