@@ -8,10 +8,11 @@ spin-wait from 300,000 iterations to 100 before sleeping on a futex (its "thrott
 so each of the many barriers in a decode step waits for a wake-up instead of a spin.
 
 That is what happens when a model is built on one thread and stepped on another, as the server
-does (main thread, then its scheduler thread): two pools, four threads on two cores. One plain
-decode step of the default target took 37.2 ms on a second thread against 32.1 ms there once the
-first thread's pool was freed, and 31.2 ms on the thread that built it (medians of 5 alternating
-runs of 96 tokens; AMD EPYC Zen 4, 2 cores, 2026-11-28).
+does (main thread, then its scheduler thread): two pools, four threads on two cores. A plain
+decode step of the default target took 41.5 ms on a second thread against 35.9 ms there once the
+first thread's pool was given back, and 35.8 ms on the thread that built it (`python
+scripts/thread_pools.py`: medians of 5 alternating rounds of 96 tokens; AMD EPYC Zen 4, 2 cores,
+2026-11-28); docs/SERVING.md has what it did to the server.
 
 ``omp_pause_resource_all`` (OpenMP 5.0) frees the calling thread's pool; its next parallel
 region, if any, starts a new one. So a thread calls ``release_pool`` when it is done with parallel
