@@ -14,7 +14,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.cli import main
 from specdecode.errors import DamagedCacheError
 from specdecode.files import specdecode_home
-from specdecode.models import checks
+from specdecode.models import checks, watch
 from specdecode.models.watch import NICE, WATCH, CacheWatch
 from specdecode.server.http_errors import from_spec_error
 from tests.gguf_blocks import write_model_gguf
@@ -47,14 +47,17 @@ def _logits(llm: LLM) -> torch.Tensor:
     return llm.target.forward(torch.tensor([5, 6, 7]), cache, last_only=True)
 
 
-def test_damage_after_load_is_found_and_repaired_in_the_live_mapping(model) -> None:
+def test_damage_after_load_is_found_and_repaired_in_the_live_mapping(model, monkeypatch) -> None:
     llm = LLM(model=str(model), max_seq_len=64, progress=False)
     want, logits = llm.generate("hi", PARAMS)[0].token_ids, _logits(llm)
     planes = _planes(model)
     _damage(planes)
     assert not torch.equal(_logits(llm), logits)  # the running model reads the damaged bytes
     assert len(llm.engine.caches)  # the request's kept prefix
+    released: list[int] = []  # the rebuild's thread gives back its OpenMP workers (engine/openmp.py)
+    monkeypatch.setattr(watch, "release_pool", lambda: released.append(threading.get_ident()) or True)
     assert WATCH.verify_now() == [planes.resolve()]
+    assert released == [threading.get_ident()]
     assert not len(llm.engine.caches)  # computed from the damaged weights: forgotten
     assert checks.hash_file(planes) == checks.read_sidecar(planes)
     WATCH.check()  # repaired: decoding is allowed again

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdecode.engine.openmp import release_pool
 from specdecode.errors import DamagedCacheError
 from specdecode.files import partial_path
 from specdecode.models import checks
@@ -165,7 +166,10 @@ class CacheWatch:
                 forget()
         fresh = partial_path(w.path, "building")
         try:
-            w.rebuild(fresh)
+            try:
+                w.rebuild(fresh)
+            finally:
+                release_pool()  # the rebuild's parallel torch work must leave no pool beside the stepping thread's
             record = checks.hash_file(fresh)
             if fresh.stat().st_size != w.path.stat().st_size:
                 checks.write_sidecar(w.path, record)
