@@ -14,7 +14,7 @@ Prompts run in the trace's order through one policy, as a bench runs them.
 
     python scripts/draft_agreement.py bench-results/s40-all/results.jsonl --quantize int4 --vocab 65536 \\
         --traces traces.jsonl
-    python scripts/policy_sim.py traces.jsonl [--step-ms 38 --row-share 0.23 --draft-ms 8.5] [--oracle | --perfect]
+    python scripts/policy_sim.py traces.jsonl [--step-ms 38 --row-share 0.23 --draft-ms 8.5] [--oracle] [--perfect]
 
 Prints each category's speed over plain decoding as the bench computes it (prompt prefill
 included, the geometric mean of per-prompt ratios), with the plain steps and drafted tokens.
@@ -52,8 +52,9 @@ def main() -> None:
                          "and the room; none where the first would be rejected): about the best any policy over "
                          "this draft can do (it still pays a catch-up after plain steps)")
     ap.add_argument("--perfect", action="store_true",
-                    help="as --oracle, on traces whose every draft agrees: the ceiling of any draft model at "
-                         "these costs, however good its drafts (a goal above it needs cheaper drafts or rows)")
+                    help="--oracle on traces whose every draft agrees, so each step drafts --k-max (or what "
+                         "the room leaves): the ceiling of any draft model at these costs and --k-max, however "
+                         "good its drafts (a goal above it needs cheaper drafts or rows)")
     ap.add_argument("--calibration", action="store_true",
                     help="first print how often the draft's top token agrees with the target's, by its probability")
     args = ap.parse_args()

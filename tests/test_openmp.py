@@ -13,47 +13,71 @@ from specdecode.engine import openmp
 from specdecode.server.scheduler import Scheduler
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
-def _settled(expected: int, timeout_s: float = 2.0) -> int:
-    """The process's thread count once it reaches ``expected`` (released workers exit on their own)."""
+def _gone(tasks: set[str], timeout_s: float = 2.0) -> bool:
+    """Whether every thread of ``tasks`` has exited (within ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
-    while (n := _threads()) != expected and time.monotonic() < deadline:
+    while tasks & _tasks() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return n
+    return not tasks & _tasks()
 
 
-def test_release_pool_frees_the_calling_threads_workers_and_only_those():
-    assert os.cpu_count() >= 2, "the project's machines have 2 cores; one core starts no OpenMP worker"
-    counts: dict[str, int] = {}
-    released: list[bool] = []
+def test_release_pool_frees_the_calling_threads_workers_and_a_new_region_starts_them_again():
+    assert torch.get_num_threads() >= 2, "the project's machines have 2 cores; one thread starts no OpenMP worker"
+    seen: dict[str, object] = {}
 
     def work() -> None:
-        counts["before"] = _threads()
+        before = _tasks()
         torch.ones(1 << 22).sum()  # far above ATen's grain: a parallel region, so this thread's pool
-        counts["with pool"] = _threads()
-        released.append(openmp.release_pool())
-        counts["released"] = _settled(counts["before"])
-        torch.ones(1 << 22).sum()  # a new region starts a new pool
-        counts["again"] = _threads()
-        released.append(openmp.release_pool())
+        workers = _tasks() - before
+        seen["workers"] = workers
+        seen["released"] = openmp.release_pool()
+        seen["gone"] = _gone(workers)
+        torch.ones(1 << 22).sum()
+        seen["again"] = _tasks() - before
+        seen["released again"] = openmp.release_pool()
 
     t = threading.Thread(target=work)
     t.start()
     t.join()
-    assert released == [True, True]
-    assert counts["with pool"] > counts["before"]
-    assert counts["released"] == counts["before"]
-    assert counts["again"] == counts["with pool"]
+    assert seen["workers"], "a parallel region on a new thread starts its pool's workers"
+    assert seen["released"] is True and seen["gone"] is True
+    assert seen["again"], "the next region starts a new pool"
+    assert seen["released again"] is True
 
 
-def test_release_pool_inside_a_parallel_region_refuses(monkeypatch):
-    # omp_pause_resource_all returns nonzero there; release_pool reports it rather than raising.
-    monkeypatch.setattr(openmp, "_pause_all", lambda: (lambda kind: -1))
+def test_release_pool_leaves_other_threads_pools_alone():
+    workers: set[str] = set()
+    hold, done = threading.Event(), threading.Event()
+
+    def keeps_its_pool() -> None:
+        before = _tasks()
+        torch.ones(1 << 22).sum()
+        workers.update(_tasks() - before)
+        hold.set()
+        done.wait(30)
+        openmp.release_pool()
+
+    t = threading.Thread(target=keeps_its_pool)
+    t.start()
+    try:
+        assert hold.wait(30) and workers
+        torch.ones(1 << 22).sum()  # this thread's own pool, then given back
+        assert openmp.release_pool() is True
+        assert not _gone(workers, timeout_s=0.2), "another thread's workers must survive"
+    finally:
+        done.set()
+        t.join()
+
+
+def test_release_pool_reports_a_refusal_or_a_missing_libgomp(monkeypatch):
+    # omp_pause_resource_all returns nonzero inside a parallel region; release_pool reports it.
+    monkeypatch.setattr(openmp, "_find_pause_all", lambda: (lambda kind: -1))
     assert openmp.release_pool() is False
-    monkeypatch.setattr(openmp, "_pause_all", lambda: None)  # another OpenMP runtime
+    monkeypatch.setattr(openmp, "_find_pause_all", lambda: None)  # no libgomp loaded, or another runtime
     assert openmp.release_pool() is False
 
 

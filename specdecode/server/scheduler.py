@@ -150,7 +150,9 @@ class Scheduler(JobQueue):
         self._running: set[Job] = set()
         self._closed = False
         self.memory_waits = 0  # times the queue's head waited for a running request to free memory
-        release_pool()  # the steps run on the worker below: no OpenMP pool of this thread may throttle its barriers
+        # The steps run on the worker below: this thread's OpenMP pool (from loading) would make libgomp
+        # throttle the worker's barriers. Parallel torch work here later would start one again.
+        release_pool()
         self._thread = threading.Thread(target=self._work, name="specdecode-scheduler", daemon=True)
         self._thread.start()
 
