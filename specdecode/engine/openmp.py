@@ -11,9 +11,9 @@ waits for a wake-up instead of a spin.
 That is what happens when a model is built on one thread and stepped on another, as the server
 does (main thread, then its scheduler thread): two pools, four threads on two cores. Plain
 decoding of the default target took 41.5 ms a generated token on a second thread against 35.9 ms
-there once the first thread's pool was given back, and 35.8 ms on the thread that built it (`python
-scripts/thread_pools.py`: medians of 5 rounds of the three cases in turn, 96 tokens each; AMD EPYC Zen 4, 2 cores,
-2026-11-28); docs/SERVING.md has what it did to the server.
+there once the first thread's pool was given back, and 35.8 ms on the thread that built it
+(`python scripts/thread_pools.py`: medians of 5 rounds of the three cases in turn, 96 tokens
+each; AMD EPYC Zen 4, 2 cores, 2026-11-28); docs/SERVING.md has what it did to the server.
 
 ``omp_pause_resource_all`` (OpenMP 5.0) frees, in libgomp, the calling thread's pool only; its
 next parallel region, if any, starts a new one. So a thread calls ``release_pool`` when it is

@@ -166,10 +166,7 @@ class CacheWatch:
                 forget()
         fresh = partial_path(w.path, "building")
         try:
-            try:
-                w.rebuild(fresh)
-            finally:
-                release_pool()  # the rebuild's parallel torch work must leave no pool beside the stepping thread's
+            w.rebuild(fresh)
             record = checks.hash_file(fresh)
             if fresh.stat().st_size != w.path.stat().st_size:
                 checks.write_sidecar(w.path, record)
@@ -183,6 +180,7 @@ class CacheWatch:
                 del self._damaged[w.path]
                 log.warning(f"specdecode: {name} repaired in place; serving again")
         finally:
+            release_pool()  # the rebuild's parallel torch work must leave no pool beside the stepping thread's
             fresh.unlink(missing_ok=True)
             checks.sidecar(fresh).unlink(missing_ok=True)
 

@@ -150,8 +150,9 @@ class Scheduler(JobQueue):
         self._running: set[Job] = set()
         self._closed = False
         self.memory_waits = 0  # times the queue's head waited for a running request to free memory
-        # The steps run on the worker below: this thread's OpenMP pool (from loading) would make libgomp
-        # throttle the worker's barriers. Parallel torch work here later would start one again.
+        # The steps run on the worker below: an OpenMP pool this thread started since LLM() gave its
+        # own back (restoring a prefix cache, say) would make libgomp throttle the worker's barriers.
+        # Parallel torch work here later would start one again.
         release_pool()
         self._thread = threading.Thread(target=self._work, name="specdecode-scheduler", daemon=True)
         self._thread.start()
